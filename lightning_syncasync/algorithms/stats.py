@@ -1,0 +1,198 @@
+"""The per-step statistics record every strategy feeds and every callback reads.
+
+This is the contract between the communication layer and the callbacks (see ARCHITECTURE.md): a strategy (or a
+DDP comm hook for strategies we do not own) writes what its collectives cost into a :class:`StatsRecorder`;
+``SyncMonitor`` closes the step and logs the resulting :class:`StepStats`; later policies (``SyncSwitcher``,
+``AdaptiveBatchSize``) read the same records. Nothing here imports Lightning.
+
+Two kinds of communication are recorded, because they cost a step differently:
+
+* *blocking* collectives (the caller waits for them): their whole duration is wait time;
+* *overlapped* collectives (launched during backward, e.g. DDP buckets, completed on a background thread): only the
+  part that outlasts the computation is wait time. We estimate it as ``max(completion) - max(launch)`` over the
+  step: the last bucket is launched when the last gradient is ready, i.e. when backward's compute is done, so
+  anything after that is time the step spent blocked on the network.
+
+Bytes are the sizes of the tensors handed to collectives (what the caller asked to move), split by whether the
+collective's group spans more than one node. They are measured from the tensors, never estimated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Scope = Literal["intra", "inter"]
+_SCOPES = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step cost on one rank.
+
+    Attributes:
+        step: index of the step (the caller's counter, usually ``trainer.global_step`` before the step).
+        wall_s: wall-clock seconds from the start to the end of the step.
+        compute_s: ``wall_s - wait_s``: time not spent blocked on communication.
+        wait_s: time blocked on communication (blocking collectives plus the non-overlapped tail of overlapped ones).
+        bytes_intra: bytes passed to collectives whose group stays inside one node.
+        bytes_inter: bytes passed to collectives whose group spans nodes.
+        samples: samples processed in the step on this rank.
+        staleness_mean: mean staleness of the updates applied in the step (0 for synchronous training).
+        staleness_max: max staleness of the updates applied in the step.
+        mode: the sync mode the step ran in (``"sync"``, ``"hier"``, ``"async"``, ``"local"``).
+    """
+
+    step: int
+    wall_s: float
+    compute_s: float
+    wait_s: float
+    bytes_intra: int
+    bytes_inter: int
+    samples: int
+    staleness_mean: float = 0.0
+    staleness_max: float = 0.0
+    mode: str = "sync"
+
+    @property
+    def bytes_total(self) -> int:
+        return self.bytes_intra + self.bytes_inter
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+@dataclass
+class _Open:
+    """Accumulators of the step in progress."""
+
+    start: float
+    bytes: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    blocking_s: float = 0.0
+    last_launch: float | None = None
+    last_completion: float | None = None
+    staleness: list[float] = field(default_factory=list)
+
+
+class StatsRecorder:
+    """Thread-safe accumulator of per-step communication statistics.
+
+    Collectives may complete on a background thread (gloo/NCCL work, DDP comm-hook futures), so every method takes
+    a lock. Records made while no step is open (e.g. during validation or setup) are counted in the next step.
+
+    Args:
+        history: how many closed :class:`StepStats` to keep for policies that look at a window.
+        mode: the initial sync mode reported with each step.
+
+    Example::
+
+        rec = StatsRecorder()
+        rec.begin_step()
+        rec.record_blocking(nbytes=4096, scope="inter", seconds=0.01)
+        stats = rec.end_step(step=0, samples=32)
+        assert stats.bytes_inter == 4096
+    """
+
+    def __init__(self, history: int = 1000, mode: str = "sync") -> None:
+        if history < 1:
+            raise ValueError(f"history must be >= 1, got {history}; keep at least the last step")
+        if not mode:
+            raise ValueError("mode must be a non-empty string such as 'sync'")
+        self._lock = threading.Lock()
+        self._open = _Open(start=time.perf_counter())
+        self._in_step = False
+        self.mode = mode
+        self.history: deque[StepStats] = deque(maxlen=history)
+        self.total_bytes = {"intra": 0, "inter": 0}
+
+    @property
+    def last(self) -> StepStats | None:
+        """The most recent closed step, or ``None`` before the first."""
+        return self.history[-1] if self.history else None
+
+    def begin_step(self) -> None:
+        """Start timing a step. Records made since the previous step stay attached to this one."""
+        with self._lock:
+            self._open.start = time.perf_counter()
+            self._in_step = True
+
+    def record_blocking(self, nbytes: int, scope: Scope, seconds: float) -> None:
+        """Record a collective the caller waited ``seconds`` for."""
+        _check(nbytes, scope)
+        with self._lock:
+            self._open.bytes[scope] += nbytes
+            self._open.blocking_s += max(0.0, seconds)
+
+    def record_wait(self, seconds: float) -> None:
+        """Record time blocked on communication that moved no new bytes (a gate, a barrier, waiting on a handle)."""
+        with self._lock:
+            self._open.blocking_s += max(0.0, seconds)
+
+    def record_launch(self, nbytes: int, scope: Scope, at: float | None = None) -> None:
+        """Record the launch of an overlapped collective (its completion is recorded by :meth:`record_completion`)."""
+        _check(nbytes, scope)
+        at = time.perf_counter() if at is None else at
+        with self._lock:
+            self._open.bytes[scope] += nbytes
+            if self._open.last_launch is None or at > self._open.last_launch:
+                self._open.last_launch = at
+
+    def record_completion(self, at: float | None = None) -> None:
+        """Record the completion of an overlapped collective (may be called from a communication thread)."""
+        at = time.perf_counter() if at is None else at
+        with self._lock:
+            if self._open.last_completion is None or at > self._open.last_completion:
+                self._open.last_completion = at
+
+    def record_staleness(self, value: float) -> None:
+        """Record the staleness (in steps or versions) of one applied update."""
+        if value < 0:
+            raise ValueError(f"staleness must be >= 0, got {value}")
+        with self._lock:
+            self._open.staleness.append(float(value))
+
+    def end_step(self, step: int, samples: int) -> StepStats:
+        """Close the step opened by :meth:`begin_step` and return its record."""
+        now = time.perf_counter()
+        with self._lock:
+            cur = self._open
+            wall = max(now - cur.start, 0.0) if self._in_step else 0.0
+            overlap_tail = 0.0
+            if cur.last_launch is not None and cur.last_completion is not None:
+                overlap_tail = max(0.0, cur.last_completion - cur.last_launch)
+            # Wait can never exceed the step itself (a completion stamped late by a busy thread must not make
+            # compute time negative).
+            wait = min(cur.blocking_s + overlap_tail, wall) if wall > 0 else cur.blocking_s + overlap_tail
+            stal = cur.staleness
+            stats = StepStats(
+                step=step,
+                wall_s=wall,
+                compute_s=max(wall - wait, 0.0),
+                wait_s=wait,
+                bytes_intra=cur.bytes["intra"],
+                bytes_inter=cur.bytes["inter"],
+                samples=samples,
+                staleness_mean=sum(stal) / len(stal) if stal else 0.0,
+                staleness_max=max(stal) if stal else 0.0,
+                mode=self.mode,
+            )
+            for scope in _SCOPES:
+                self.total_bytes[scope] += cur.bytes[scope]
+            self._open = _Open(start=now)
+            self._in_step = False
+            self.history.append(stats)
+        return stats
+
+
+def _check(nbytes: int, scope: str) -> None:
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if scope not in _SCOPES:
+        raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")

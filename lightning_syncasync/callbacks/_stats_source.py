@@ -1,0 +1,55 @@
+"""Find (or attach) the :class:`StatsRecorder` of the strategy a ``Trainer`` runs.
+
+Our strategies own their recorder and expose it as ``strategy.sync_stats``. For strategies we do not own (Lightning's
+``ddp``/``ddp_spawn``) a recorder is attached once per strategy object by registering a measuring DDP comm hook on
+the wrapped model; every callback asking for the same trainer gets the same recorder, so the monitor, the switcher
+and the batch-size policy all read one record.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
+from lightning_syncasync.algorithms.stats import StatsRecorder
+
+log = logging.getLogger(__name__)
+
+_ATTACHED: weakref.WeakKeyDictionary[object, StatsRecorder] = weakref.WeakKeyDictionary()
+
+
+def stats_recorder(trainer: pl.Trainer) -> StatsRecorder:
+    """The recorder for ``trainer.strategy``. Call after the strategy's ``setup`` (e.g. in ``on_fit_start``)."""
+    strategy = trainer.strategy
+    own = getattr(strategy, "sync_stats", None)
+    if isinstance(own, StatsRecorder):
+        return own
+    if strategy in _ATTACHED:
+        return _ATTACHED[strategy]
+    recorder = StatsRecorder(mode="sync" if trainer.world_size > 1 else "local")
+    _ATTACHED[strategy] = recorder
+    model = strategy.model
+    if isinstance(strategy, DDPStrategy) and isinstance(model, DistributedDataParallel):
+        # The flat all-reduce crosses node boundaries as soon as there is more than one node.
+        scope = "inter" if trainer.num_nodes > 1 else "intra"
+        try:
+            MeasuredAllReduce(recorder, scope=scope, process_group=model.process_group).register(model)
+        except RuntimeError as err:
+            # DDP accepts one comm hook per module; on CUDA Lightning may already have registered the user's.
+            rank_zero_warn(
+                f"SyncMonitor could not measure DDP communication ({err}); bytes and wait time will read 0. "
+                "HINT: a `ddp_comm_hook` passed to DDPStrategy is already registered on this model."
+            )
+    elif trainer.world_size > 1:
+        rank_zero_warn(
+            f"SyncMonitor does not know how to measure communication of {type(strategy).__name__}; "
+            "bytes and wait time will read 0. Strategies expose measurements through a `sync_stats` StatsRecorder."
+        )
+    log.debug("attached StatsRecorder to %s", type(strategy).__name__)
+    return recorder

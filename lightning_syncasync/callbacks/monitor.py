@@ -1,0 +1,315 @@
+"""``SyncMonitor``: live synchronisation metrics for any strategy.
+
+Every strategy feeds one :class:`~lightning_syncasync.algorithms.stats.StatsRecorder` (ours natively, Lightning's
+DDP through a measuring comm hook that this callback registers itself, since Lightning skips comm hooks on CPU).
+The monitor opens and closes a step around each training batch, logs the resulting record under ``syncasync/`` to
+the configured Lightning loggers, shows throughput and the sync mode in the progress bar, and prints a per-rank
+summary table on rank 0 when fitting ends.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.data import extract_batch_size
+from torchmetrics.aggregation import MaxMetric, MeanMetric, SumMetric
+from typing_extensions import override
+
+from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
+from lightning_syncasync.callbacks._stats_source import stats_recorder
+
+# Order of the per-rank vector gathered for the summary table.
+_FIELDS = (
+    "steps",
+    "samples",
+    "wall_s",
+    "compute_s",
+    "wait_s",
+    "bytes_intra",
+    "bytes_inter",
+    "staleness_mean",
+    "staleness_max",
+)
+
+
+class SyncMonitor(Callback):
+    """Log per-step compute time, wait time, bytes, throughput, staleness and sync mode.
+
+    Logged per step (values of the logging rank) under ``prefix``: ``compute_s``, ``wait_s``, ``wait_frac``,
+    ``bytes_intra``, ``bytes_inter``, ``samples_per_s``, ``staleness``, ``staleness_max``; per epoch:
+    ``epoch_global_samples_per_s`` (sum of the ranks' rates) and ``epoch_bytes_per_step``. After ``fit`` the
+    aggregated figures are in :attr:`summary` on every rank.
+
+    Args:
+        prefix: metric name prefix.
+        progress_bar: show this rank's samples/s, the wait fraction and the sync mode in the progress bar.
+        print_summary: print the per-rank summary table on rank 0 at the end of fit.
+        smoothing: exponential smoothing factor of the progress-bar throughput (0 = no smoothing, < 1).
+
+    Example::
+
+        trainer = Trainer(strategy="ddp", devices=2, callbacks=[SyncMonitor()])
+    """
+
+    def __init__(
+        self,
+        prefix: str = "syncasync/",
+        progress_bar: bool = True,
+        print_summary: bool = True,
+        smoothing: float = 0.9,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}; 0.9 is a good default")
+        self.prefix = prefix
+        self.progress_bar = progress_bar
+        self.print_summary = print_summary
+        self.smoothing = smoothing
+        self.summary: dict[str, Any] = {}
+        self._recorder: StatsRecorder | None = None
+        self._agg: dict[str, Any] = {}
+        self._epoch: dict[str, float] = {}
+        self._rate: float | None = None
+        self._restore_pbar: Callable[[], None] | None = None
+
+    @property
+    def recorder(self) -> StatsRecorder | None:
+        """The record this monitor reads (``None`` before ``fit`` starts)."""
+        return self._recorder
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After strategy.setup: the model is wrapped, so a measuring comm hook can still be registered before the
+        # first backward.
+        self._recorder = stats_recorder(trainer)
+        self._agg = {
+            "steps": SumMetric(sync_on_compute=False),
+            "samples": SumMetric(sync_on_compute=False),
+            "wall_s": SumMetric(sync_on_compute=False),
+            "compute_s": SumMetric(sync_on_compute=False),
+            "wait_s": SumMetric(sync_on_compute=False),
+            "bytes_intra": SumMetric(sync_on_compute=False),
+            "bytes_inter": SumMetric(sync_on_compute=False),
+            "staleness_mean": MeanMetric(sync_on_compute=False),
+            "staleness_max": MaxMetric(sync_on_compute=False),
+        }
+        self._rate = None
+        self.summary = {}
+        if self.progress_bar and trainer.progress_bar_callback is not None:
+            self._wrap_progress_bar(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch = {"steps": 0, "samples": 0, "wall_s": 0.0, "bytes": 0}
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._recorder is not None:
+            self._recorder.begin_step()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._recorder is None:
+            return
+        stats = self._recorder.end_step(step=trainer.global_step, samples=extract_batch_size(batch))
+        self._accumulate(stats)
+        rate = stats.samples_per_s
+        self._rate = rate if self._rate is None else self.smoothing * self._rate + (1 - self.smoothing) * rate
+        p = self.prefix
+        values = {
+            f"{p}compute_s": stats.compute_s,
+            f"{p}wait_s": stats.wait_s,
+            f"{p}wait_frac": stats.wait_s / stats.wall_s if stats.wall_s > 0 else 0.0,
+            f"{p}bytes_intra": float(stats.bytes_intra),
+            f"{p}bytes_inter": float(stats.bytes_inter),
+            f"{p}samples_per_s": rate,
+            f"{p}staleness": stats.staleness_mean,
+            f"{p}staleness_max": stats.staleness_max,
+        }
+        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        if self.progress_bar:
+            pl_module.log(
+                f"{p}sps", self._rate, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1
+            )
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ep = self._epoch
+        if not ep or ep["steps"] == 0:
+            return
+        # Logged once per epoch, so Lightning's epoch reduction sees a single value per rank and `sync_dist`
+        # combines the ranks: the job's throughput is the sum of the ranks' rates, bytes per step their mean.
+        pl_module.log(
+            f"{self.prefix}epoch_global_samples_per_s",
+            ep["samples"] / max(ep["wall_s"], 1e-12),
+            on_step=False,
+            on_epoch=True,
+            sync_dist=True,
+            reduce_fx="sum",
+            batch_size=1,
+        )
+        pl_module.log(
+            f"{self.prefix}epoch_bytes_per_step",
+            ep["bytes"] / ep["steps"],
+            on_step=False,
+            on_epoch=True,
+            sync_dist=True,
+            reduce_fx="mean",
+            batch_size=1,
+        )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._recorder is None:
+            return
+        local = torch.tensor([float(self._agg[k].compute()) for k in _FIELDS], dtype=torch.float64)
+        with warnings.catch_warnings():
+            # Lightning's all_gather goes through a torch function that warns about its own deprecation.
+            warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
+            gathered = trainer.strategy.all_gather(local.to(pl_module.device)).cpu().reshape(-1, len(_FIELDS))
+        self.summary = _summarise(gathered, trainer, self._recorder.mode)
+        if self.print_summary:
+            _print_summary(self.summary)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._restore_pbar is not None:
+            self._restore_pbar()
+            self._restore_pbar = None
+
+    def _accumulate(self, stats: StepStats) -> None:
+        a = self._agg
+        a["steps"].update(1.0)
+        a["samples"].update(float(stats.samples))
+        a["wall_s"].update(stats.wall_s)
+        a["compute_s"].update(stats.compute_s)
+        a["wait_s"].update(stats.wait_s)
+        a["bytes_intra"].update(float(stats.bytes_intra))
+        a["bytes_inter"].update(float(stats.bytes_inter))
+        a["staleness_mean"].update(stats.staleness_mean)
+        a["staleness_max"].update(stats.staleness_max)
+        ep = self._epoch
+        ep["steps"] += 1
+        ep["samples"] += stats.samples
+        ep["wall_s"] += stats.wall_s
+        ep["bytes"] += stats.bytes_total
+
+    def _wrap_progress_bar(self, trainer: pl.Trainer) -> None:
+        # ProgressBar.get_metrics is Lightning's documented extension point for what the bar shows; the sync mode
+        # is a string, which self.log cannot carry, so it is added here.
+        bar = trainer.progress_bar_callback
+        original = bar.get_metrics
+        recorder = self._recorder
+
+        def get_metrics(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+            items = original(trainer, pl_module)
+            if recorder is not None:
+                items["mode"] = recorder.mode
+            return items
+
+        bar.get_metrics = get_metrics  # type: ignore[method-assign]
+
+        def restore() -> None:
+            bar.get_metrics = original  # type: ignore[method-assign]
+
+        self._restore_pbar = restore
+
+
+def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[str, Any]:
+    ranks = []
+    for i, row in enumerate(gathered.tolist()):
+        r = dict(zip(_FIELDS, row, strict=True))
+        steps = max(r["steps"], 1.0)
+        ranks.append(
+            {
+                "rank": i,
+                "steps": int(r["steps"]),
+                "samples_per_s": r["samples"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
+                "compute_s_per_step": r["compute_s"] / steps,
+                "wait_s_per_step": r["wait_s"] / steps,
+                "wait_frac": r["wait_s"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
+                "bytes_intra_per_step": r["bytes_intra"] / steps,
+                "bytes_inter_per_step": r["bytes_inter"] / steps,
+                "staleness_mean": 0.0 if math.isnan(r["staleness_mean"]) else r["staleness_mean"],
+                "staleness_max": 0.0 if math.isinf(r["staleness_max"]) else r["staleness_max"],
+            }
+        )
+    n = len(ranks)
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in ranks) / n
+
+    return {
+        "strategy": type(trainer.strategy).__name__,
+        "mode": mode,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        # Every rank processes its own samples, so the job's throughput is the sum of the ranks' rates.
+        "global_samples_per_s": sum(r["samples_per_s"] for r in ranks),
+        "compute_s_per_step": mean("compute_s_per_step"),
+        "wait_s_per_step": mean("wait_s_per_step"),
+        "wait_frac": mean("wait_frac"),
+        "bytes_intra_per_step": mean("bytes_intra_per_step"),
+        "bytes_inter_per_step": mean("bytes_inter_per_step"),
+        "bytes_per_step": mean("bytes_intra_per_step") + mean("bytes_inter_per_step"),
+        "staleness_mean": mean("staleness_mean"),
+        "staleness_max": max(r["staleness_max"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
+@rank_zero_only
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"syncasync summary: {summary['strategy']} (mode {summary['mode']}), "
+            f"{summary['world_size']} rank(s) on {summary['num_nodes']} node(s)"
+        )
+    )
+    for col in (
+        "rank",
+        "steps",
+        "samples/s",
+        "compute ms/step",
+        "wait ms/step",
+        "wait %",
+        "intra KB/step",
+        "inter KB/step",
+        "staleness mean/max",
+    ):
+        table.add_column(col, justify="right")
+
+    def row(name: str, r: dict[str, Any]) -> list[str]:
+        return [
+            name,
+            str(r.get("steps", "")),
+            f"{r['samples_per_s']:.1f}",
+            f"{1e3 * r['compute_s_per_step']:.2f}",
+            f"{1e3 * r['wait_s_per_step']:.2f}",
+            f"{100 * r['wait_frac']:.1f}",
+            f"{r['bytes_intra_per_step'] / 1024:.1f}",
+            f"{r['bytes_inter_per_step'] / 1024:.1f}",
+            f"{r['staleness_mean']:.2f}/{r['staleness_max']:.0f}",
+        ]
+
+    for r in summary["ranks"]:
+        table.add_row(*row(str(r["rank"]), r))
+    total = dict(summary, samples_per_s=summary["global_samples_per_s"])
+    table.add_row(*row("all", total), style="bold")
+    # A log file or CI console is not a terminal: give the table room instead of rich's 80-column default.
+    Console(width=None if sys.stdout.isatty() else 132).print(table)

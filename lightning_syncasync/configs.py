@@ -1,0 +1,193 @@
+"""Structured configs: the Hydra schema of every configurable object, derived from its constructor.
+
+The constructors are the schema (STYLE.md): :func:`builds` turns a class's typed ``__init__`` into a dataclass with a
+``_target_``, so the YAML files in ``conf/`` are checked at composition time. A misspelt key (``strategy.stalenes=3``)
+or a wrong type (``trainer.max_epochs=ten``) then fails with Hydra's own error before any process starts, instead of
+deep inside training. :func:`register_configs` stores the schemas under ``schema/<group>/<name>`` in Hydra's
+``ConfigStore``; the YAML files pull them in with ``defaults: [/schema/<group>/<name>@_here_]``.
+
+Only the Hydra app (``lightning_syncasync.train``) and tests call :func:`register_configs`; importing the package does
+not touch the ConfigStore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import types
+import typing
+from dataclasses import field, make_dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+_PRIMITIVES = (int, float, str, bool)
+
+
+def _omegaconf_type(annotation: Any) -> Any:
+    """Map a constructor annotation to a type OmegaConf can validate (``Any`` when it cannot)."""
+    if annotation in _PRIMITIVES or annotation is Any:
+        return annotation
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and len(rest) < len(args):
+            inner = _omegaconf_type(rest[0])
+            return Any if inner is Any else Optional[inner]  # noqa: UP045 (OmegaConf needs typing.Optional)
+        return Any
+    if origin in (list, typing.List, tuple, typing.Tuple) and args:  # noqa: UP006
+        inner = _omegaconf_type(args[0])
+        if inner in _PRIMITIVES and (origin in (list, typing.List) or args[-1] is Ellipsis or len(set(args)) == 1):  # noqa: UP006
+            return typing.List[inner]  # noqa: UP006 (OmegaConf 2.3 does not take list[int])
+        return Any
+    if origin in (dict, typing.Dict) and len(args) == 2 and args[0] is str:  # noqa: UP006
+        inner = _omegaconf_type(args[1])
+        return typing.Dict[str, inner]  # noqa: UP006
+    return Any
+
+
+def _default_field(default: Any) -> Any:
+    if default is inspect.Parameter.empty:
+        return field(default=MISSING)
+    if default is None or isinstance(default, (*_PRIMITIVES, enum.Enum)):
+        return field(default=default)
+    if isinstance(default, (list, tuple)) and all(isinstance(v, _PRIMITIVES) for v in default):
+        return field(default_factory=lambda d=tuple(default): list(d))
+    raise TypeError(f"default {default!r} cannot be represented in a config")
+
+
+def builds(
+    target: type | typing.Callable[..., Any],
+    *,
+    exclude: typing.Iterable[str] = (),
+    extra: dict[str, tuple[Any, Any]] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> type:
+    """A dataclass schema for ``target``'s constructor, with ``_target_`` set to its import path.
+
+    Parameters whose default is not representable in YAML (objects such as ``timedelta``) are left out: the
+    constructor's own default applies and the key is unknown to Hydra. ``*args``/``**kwargs`` are left out too;
+    pass the keyword arguments that matter through ``extra`` as ``{name: (type, default)}``.
+
+    Args:
+        target: the class (or function) to build.
+        exclude: parameter names to leave out of the schema.
+        extra: additional fields ``{name: (type, default)}``, e.g. DDP kwargs that DDPStrategy forwards.
+        overrides: new defaults for some parameters.
+    """
+    fn = target.__init__ if inspect.isclass(target) else target
+    signature = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable forward references: fall back to Any per parameter
+        hints = {}
+    overrides = overrides or {}
+    fields: list[tuple[str, Any, Any]] = [
+        ("_target_", str, field(default=f"{target.__module__}.{target.__qualname__}"))
+    ]
+    excluded = set(exclude) | {"self"}
+    for name, param in signature.parameters.items():
+        if name in excluded or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        default = overrides.get(name, param.default)
+        try:
+            default_field = _default_field(default)
+        except TypeError:
+            continue
+        fields.append((name, _omegaconf_type(hints.get(name, Any)), default_field))
+    for name, (tp, default) in (extra or {}).items():
+        fields.append((name, _omegaconf_type(tp), _default_field(default)))
+    return make_dataclass(f"{target.__qualname__.replace('.', '_')}Conf", fields)
+
+
+def _trainer_conf() -> type:
+    from lightning.pytorch import Trainer
+
+    # callbacks and logger come from the `callbacks` and `logger` groups (dicts of named objects), assembled by
+    # the train app; the strategy comes from the `strategy` group, placed at trainer.strategy.
+    return builds(Trainer, exclude=("callbacks", "logger"))
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Schema of ``conf/train.yaml``.
+
+    Attributes:
+        task_name: name of the job (output folders, logger names).
+        seed: global seed (``None``: do not seed).
+        trainer: ``lightning.pytorch.Trainer`` arguments; ``trainer.strategy`` comes from the ``strategy`` group.
+        model: the LightningModule (``_target_`` + arguments).
+        data: the LightningDataModule.
+        callbacks: named callbacks; set one to ``null`` to drop it.
+        logger: named Lightning loggers.
+        ckpt_path: checkpoint to resume from.
+        test: run ``trainer.test`` after fitting.
+        optimized_metric: metric returned to Hydra sweepers (e.g. optuna), read from ``trainer.callback_metrics``.
+        results_file: JSON file, written by rank 0 in the job's output folder, with the metrics and the summary.
+    """
+
+    task_name: str = "train"
+    seed: Optional[int] = 42  # noqa: UP045
+    trainer: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    logger: dict[str, Any] = field(default_factory=dict)
+    ckpt_path: Optional[str] = None  # noqa: UP045
+    test: bool = False
+    optimized_metric: str = "val_acc"
+    results_file: str = "results.json"
+
+
+def _schemas() -> dict[str, type]:
+    """``schema/<group>/<name>`` -> dataclass. Imported lazily: building them imports Lightning and the demos."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_syncasync.callbacks import SyncMonitor
+    from lightning_syncasync.demo import (
+        Classifier,
+        DigitsDataModule,
+        SyntheticDataModule,
+        TextDataModule,
+        TransformerLM,
+    )
+
+    # DDPStrategy forwards **kwargs to torch's DistributedDataParallel; these are the ones users tune.
+    ddp_kwargs: dict[str, tuple[Any, Any]] = {
+        "find_unused_parameters": (bool, False),
+        "static_graph": (bool, False),
+        "gradient_as_bucket_view": (bool, False),
+        "bucket_cap_mb": (Optional[float], None),  # noqa: UP045
+    }
+    return {
+        "trainer/trainer": _trainer_conf(),
+        "strategy/ddp": builds(DDPStrategy, exclude=("accelerator", "parallel_devices"), extra=ddp_kwargs),
+        "model/classifier": builds(Classifier),
+        "model/transformer_lm": builds(TransformerLM),
+        "data/digits": builds(DigitsDataModule),
+        "data/text": builds(TextDataModule),
+        "data/synthetic": builds(SyntheticDataModule),
+        "callbacks/sync_monitor": builds(SyncMonitor),
+        "callbacks/model_checkpoint": builds(ModelCheckpoint),
+        "callbacks/early_stopping": builds(EarlyStopping),
+        "callbacks/rich_progress_bar": builds(RichProgressBar),
+        "callbacks/tqdm_progress_bar": builds(TQDMProgressBar),
+        "logger/csv": builds(CSVLogger),
+        "logger/tensorboard": builds(TensorBoardLogger),
+    }
+
+
+def register_configs(cs: ConfigStore | None = None) -> None:
+    """Store :class:`TrainConfig` as ``train_schema`` and every object schema under ``schema/<group>/<name>``."""
+    cs = ConfigStore.instance() if cs is None else cs
+    cs.store(name="train_schema", node=TrainConfig)
+    for path, schema in _schemas().items():
+        group, name = path.split("/")
+        cs.store(group=f"schema/{group}", name=name, node=schema)

@@ -1,0 +1,258 @@
+"""Configurable image classifier used as the demo/benchmark model for the sync/async strategies.
+
+Two architectures cover the two regimes that matter when comparing gradient-synchronisation strategies: ``"mlp"`` has
+many parameters per FLOP (communication-bound), ``"convnet"`` has few parameters but much compute per parameter
+(compute-bound, the natural workload for straggler experiments).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+_ARCHS = ("mlp", "convnet")
+_OPTIMIZERS = ("adam", "sgd", "adamw")
+
+
+def build_mlp(input_shape: list[int], num_classes: int, hidden: int, depth: int) -> nn.Sequential:
+    """Build ``Flatten -> depth x (Linear(hidden) + ReLU) -> Linear(num_classes)``.
+
+    Args:
+        input_shape: Shape of one input sample.
+        num_classes: Number of output logits.
+        hidden: Width of each hidden layer.
+        depth: Number of hidden layers.
+
+    Returns:
+        The network.
+    """
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(input_shape)
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def build_convnet(input_shape: list[int], num_classes: int, channels: int, depth: int) -> nn.Sequential:
+    """Build ``depth x (Conv3x3(channels) + ReLU [+ MaxPool2d(2)]) -> global average pool -> Linear``.
+
+    A block is followed by ``MaxPool2d(2)`` only while both spatial sides are still >= 2, so deep stacks on tiny
+    images (e.g. 8x8 digits) keep working at 1x1 resolution.
+
+    Args:
+        input_shape: ``[C, H, W]`` of one input sample.
+        num_classes: Number of output logits.
+        channels: Channels of every conv layer.
+        depth: Number of conv blocks.
+
+    Returns:
+        The network.
+    """
+    in_channels, height, width = input_shape
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Conv2d(in_channels, channels, kernel_size=3, padding=1), nn.ReLU()]
+        in_channels = channels
+        if height >= 2 and width >= 2:
+            layers.append(nn.MaxPool2d(2))
+            height, width = height // 2, width // 2
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+    return nn.Sequential(*layers)
+
+
+class Classifier(LightningModule):
+    """MLP or small convnet classifier with cross-entropy loss and torchmetrics accuracy.
+
+    Logged metrics: ``train_loss`` (per step, progress bar), ``train_acc`` (per epoch), ``val_loss``/``val_acc``
+    (per epoch, synchronised across ranks; ``val_acc`` on the progress bar), ``test_loss``/``test_acc``.
+    ``predict_step`` returns the predicted class indices.
+
+    Attributes:
+        input_shape: Resolved shape of one input sample.
+        net: The underlying ``nn.Sequential``.
+        train_acc: Training accuracy metric.
+        val_acc: Validation accuracy metric.
+        test_acc: Test accuracy metric.
+    """
+
+    def __init__(
+        self,
+        input_shape: list[int] | None = None,
+        num_classes: int = 10,
+        arch: str = "mlp",
+        hidden: int = 128,
+        depth: int = 2,
+        channels: int = 32,
+        lr: float = 1e-3,
+        optimizer: str = "adam",
+        weight_decay: float = 0.0,
+        momentum: float = 0.9,
+    ) -> None:
+        """Validate the configuration and build the network.
+
+        Args:
+            input_shape: Shape of one input sample; defaults to ``[1, 8, 8]`` (digits). ``"convnet"`` needs
+                ``[C, H, W]``.
+            num_classes: Number of classes, >= 2.
+            arch: ``"mlp"`` or ``"convnet"``.
+            hidden: Hidden width of the MLP (ignored by the convnet).
+            depth: Number of hidden layers (MLP) or conv blocks (convnet), >= 1.
+            channels: Conv channels of the convnet (ignored by the MLP).
+            lr: Learning rate, > 0.
+            optimizer: ``"adam"``, ``"sgd"`` (with ``momentum``) or ``"adamw"``.
+            weight_decay: Weight decay, >= 0.
+            momentum: SGD momentum in ``[0, 1)`` (ignored by Adam/AdamW).
+
+        Raises:
+            ValueError: If any argument is out of range.
+        """
+        super().__init__()
+        if input_shape is None:
+            input_shape = [1, 8, 8]
+        if (
+            not isinstance(input_shape, (list, tuple))
+            or len(input_shape) == 0
+            or not all(isinstance(d, int) and d >= 1 for d in input_shape)
+        ):
+            raise ValueError(
+                f"input_shape must be a non-empty list of integers >= 1, got {input_shape!r}; "
+                "set model.input_shape to the data's input shape, e.g. [1, 8, 8]"
+            )
+        if not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(
+                f"num_classes must be an integer >= 2, got {num_classes!r}; set model.num_classes to the data's classes"
+            )
+        if arch not in _ARCHS:
+            raise ValueError(f"arch must be one of {_ARCHS}, got {arch!r}; set model.arch to 'mlp' or 'convnet'")
+        if arch == "convnet" and len(input_shape) != 3:
+            raise ValueError(
+                f"input_shape must have 3 dims [C, H, W] for arch='convnet', got {list(input_shape)!r}; "
+                "set model.input_shape to e.g. [1, 8, 8] or use model.arch='mlp'"
+            )
+        if not isinstance(hidden, int) or hidden < 1:
+            raise ValueError(f"hidden must be an integer >= 1, got {hidden!r}; set model.hidden to e.g. 128")
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an integer >= 1, got {depth!r}; set model.depth to e.g. 2")
+        if not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"channels must be an integer >= 1, got {channels!r}; set model.channels to e.g. 32")
+        if not 0.0 < lr < math.inf:
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}; set model.lr to e.g. 1e-3")
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}; set model.optimizer to 'adam', 'sgd' "
+                "or 'adamw'"
+            )
+        if not 0.0 <= weight_decay < math.inf:
+            raise ValueError(
+                f"weight_decay must be a finite number >= 0, got {weight_decay!r}; set model.weight_decay to e.g. 0.0"
+            )
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}; set model.momentum to e.g. 0.9")
+        self.save_hyperparameters()
+        self.input_shape: list[int] = list(input_shape)
+        if arch == "mlp":
+            self.net = build_mlp(self.input_shape, num_classes, hidden, depth)
+        else:
+            self.net = build_convnet(self.input_shape, num_classes, channels, depth)
+        # Micro averaging is plain accuracy; torchmetrics' default (macro) would average per-class recalls instead.
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Compute class logits.
+
+        Args:
+            x: Batch of inputs, shape ``(B, *input_shape)``.
+
+        Returns:
+            Logits of shape ``(B, num_classes)``.
+
+        Raises:
+            ValueError: If the input does not match ``input_shape``.
+        """
+        if list(x.shape[1:]) != self.input_shape:
+            raise ValueError(
+                f"input batch has per-sample shape {list(x.shape[1:])}, but the model was built for input_shape="
+                f"{self.input_shape}; set model.input_shape to match the data module"
+            )
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Cross-entropy on one batch.
+
+        Args:
+            batch: ``(inputs, labels)``.
+            batch_idx: Index of the batch in the epoch.
+
+        Returns:
+            The loss, for automatic optimisation.
+        """
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate validation loss and accuracy.
+
+        Args:
+            batch: ``(inputs, labels)``.
+            batch_idx: Index of the batch.
+        """
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), on_step=False, on_epoch=True, sync_dist=True)
+        self.log("val_acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate test loss and accuracy.
+
+        Args:
+            batch: ``(inputs, labels)``.
+            batch_idx: Index of the batch.
+        """
+        x, y = batch
+        logits = self(x)
+        self.test_acc(logits, y)
+        self.log("test_loss", F.cross_entropy(logits, y), on_step=False, on_epoch=True, sync_dist=True)
+        self.log("test_acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Predict class indices.
+
+        Args:
+            batch: ``(inputs, labels)`` or a bare input tensor.
+            batch_idx: Index of the batch.
+            dataloader_idx: Index of the dataloader.
+
+        Returns:
+            Predicted classes, shape ``(B,)``.
+        """
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(x).argmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Create the configured optimizer.
+
+        Returns:
+            Adam, AdamW or SGD with momentum over all parameters.
+        """
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        if hp.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        return torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)

@@ -1,0 +1,172 @@
+"""``syncasync-train``: the Hydra app that trains any configured model with any strategy.
+
+With no arguments it runs the default job (``conf/train.yaml``): a digits classifier trained by 2 CPU processes over
+gloo with ``SyncMonitor``, ending with the summary table and the validation accuracy. Every piece is a config group
+(``strategy``, ``model``, ``data``, ``trainer``, ``callbacks``, ``logger``, ``experiment``, ``hparams_search``), and
+``-m`` sweeps them::
+
+    syncasync-train                                   # the default job
+    syncasync-train experiment=lm                     # transformer LM on pydoc text
+    syncasync-train -m strategy=ddp,ddp_spawn trainer.max_epochs=1
+
+Multirun note: Lightning's ``ddp`` launcher starts the other ranks by re-running ``sys.argv``, which inside a Hydra
+sweep would re-run the whole sweep (FINDINGS.md). Each multirun job is therefore run as a single Hydra run in a child
+process (same overrides, the job's own output folder), which also keeps jobs from sharing a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_syncasync.configs import register_configs
+
+log = logging.getLogger(__name__)
+
+# Set in the child process of a multirun job so it does not re-launch itself.
+ENV_MULTIRUN_CHILD = "SYNCASYNC_MULTIRUN_CHILD"
+
+register_configs()
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Reject settings that would only fail (or hang) after processes start, naming the setting and the fix."""
+    trainer = cfg.trainer
+    devices = trainer.get("devices", "auto")
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if (
+        isinstance(devices, int)
+        and devices == 0
+        or devices in ("0", [], "")
+        or (isinstance(devices, int) and devices < -1)
+    ):
+        raise ValueError(
+            f"trainer.devices={devices!r} is impossible; HINT: use a positive count (trainer.devices=2), -1 or 'auto'"
+        )
+    if accelerator == "cpu" and isinstance(devices, int) and devices > 0:
+        cores = os.cpu_count() or 1
+        # More processes than a few per core only measures contention, and hundreds would exhaust the machine.
+        if devices > 4 * cores:
+            raise ValueError(
+                f"trainer.devices={devices} CPU processes on a machine with {cores} cores; "
+                f"HINT: use at most {4 * cores} (trainer.devices={cores} is the sensible choice) or run on more nodes"
+            )
+    num_nodes = trainer.get("num_nodes", 1)
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"trainer.num_nodes={num_nodes!r} is impossible; HINT: use trainer.num_nodes=1 or more")
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        import lightning_syncasync  # noqa: F401  (registers our names)
+
+        if strategy != "auto" and strategy not in StrategyRegistry:
+            raise ValueError(
+                f"trainer.strategy={strategy!r} is not a registered strategy; HINT: pick a config group "
+                f"(strategy=ddp) or one of {sorted(StrategyRegistry.available_strategies())}"
+            )
+
+
+def _instantiate(cfg: Any, **kwargs: Any) -> Any:
+    # `_convert_="all"`: constructors validate plain lists/dicts, not OmegaConf containers, and hyperparameters saved
+    # in checkpoints stay plain Python.
+    return hydra.utils.instantiate(cfg, _convert_="all", **kwargs)
+
+
+def _instantiate_dict(group: DictConfig | None) -> list[Any]:
+    return [_instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
+
+
+def _rank() -> int:
+    for var in ("RANK", "LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Fit (and optionally test) the configured job; return its results (also written to ``cfg.results_file``)."""
+    import lightning.pytorch as pl
+
+    validate_config(cfg)
+    if cfg.seed is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    datamodule = _instantiate(cfg.data)
+    model = _instantiate(cfg.model)
+    callbacks = _instantiate_dict(cfg.callbacks)
+    loggers = _instantiate_dict(cfg.logger)
+    trainer: pl.Trainer = _instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    fit_s = time.perf_counter() - start
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if cfg.test:
+        for result in trainer.test(
+            model, datamodule=datamodule, ckpt_path="best" if trainer.checkpoint_callback else None
+        ):
+            metrics.update({k: float(v) for k, v in result.items()})
+
+    from lightning_syncasync.callbacks import SyncMonitor
+
+    monitor = next((c for c in trainer.callbacks if isinstance(c, SyncMonitor)), None)
+    results = {
+        "task_name": cfg.task_name,
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "fit_wall_s": fit_s,
+        "metrics": metrics,
+        "sync_summary": monitor.summary if monitor is not None else {},
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if trainer.is_global_zero:
+        path = output_dir / cfg.results_file
+        path.write_text(json.dumps(results, indent=2, default=str))
+        metric = cfg.optimized_metric
+        value = metrics.get(metric)
+        shown = f"{metric}={value:.4f}" if value is not None else f"{metric} not logged"
+        log.info("done: %s after %d steps in %.1f s; results in %s", shown, trainer.global_step, fit_s, path)
+    return results
+
+
+def _run_multirun_job_in_child(cfg: DictConfig) -> dict[str, Any]:
+    hc = HydraConfig.get()
+    output_dir = Path(hc.runtime.output_dir)
+    cmd = [sys.executable, "-m", "lightning_syncasync.train", *hc.overrides.task]
+    cmd += [f"hydra.run.dir={output_dir}", f"hydra.job.name={hc.job.name}"]
+    env = dict(os.environ, **{ENV_MULTIRUN_CHILD: "1"})
+    # Fresh rendezvous port per job: a previous job's sockets may still be in TIME_WAIT.
+    env.pop("MASTER_PORT", None)
+    log.info("multirun job %s: %s", hc.job.num, " ".join(cmd))
+    proc = subprocess.run(cmd, env=env, cwd=hydra.utils.get_original_cwd())
+    if proc.returncode != 0:
+        raise RuntimeError(f"multirun job {hc.job.num} ({' '.join(hc.overrides.task)}) failed: exit {proc.returncode}")
+    return json.loads((output_dir / cfg.results_file).read_text())
+
+
+@hydra.main(version_base="1.3", config_path="pkg://lightning_syncasync.conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Entry point of ``syncasync-train``. Returns ``cfg.optimized_metric`` for Hydra sweepers."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not os.environ.get(ENV_MULTIRUN_CHILD):
+        results = _run_multirun_job_in_child(cfg)
+    else:
+        results = run(cfg)
+    value = results["metrics"].get(cfg.optimized_metric)
+    return None if value is None else float(value)
+
+
+if __name__ == "__main__":
+    main()
