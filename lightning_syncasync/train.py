@@ -122,14 +122,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from lightning_syncasync.callbacks import SyncMonitor
 
     monitor = next((c for c in trainer.callbacks if isinstance(c, SyncMonitor)), None)
+    summary: dict[str, Any] = monitor.summary if monitor is not None else {}
+    if monitor is not None and not summary and monitor.summary_file and Path(monitor.summary_file).exists():
+        # spawn start method: the monitor ran in the child processes and left its figures in a file.
+        summary = json.loads(Path(monitor.summary_file).read_text())
+    steps = trainer.global_step or max((r["steps"] for r in summary.get("ranks", [])), default=0)
     results = {
         "task_name": cfg.task_name,
         "strategy": type(trainer.strategy).__name__,
         "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
+        "global_step": steps,
         "fit_wall_s": fit_s,
         "metrics": metrics,
-        "sync_summary": monitor.summary if monitor is not None else {},
+        "sync_summary": summary,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if trainer.is_global_zero:
@@ -138,7 +143,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         metric = cfg.optimized_metric
         value = metrics.get(metric)
         shown = f"{metric}={value:.4f}" if value is not None else f"{metric} not logged"
-        log.info("done: %s after %d steps in %.1f s; results in %s", shown, trainer.global_step, fit_s, path)
+        log.info("done: %s after %d steps in %.1f s; results in %s", shown, steps, fit_s, path)
     return results
 
 

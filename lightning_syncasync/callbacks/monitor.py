@@ -9,10 +9,12 @@ summary table on rank 0 when fitting ends.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,6 +55,8 @@ class SyncMonitor(Callback):
         progress_bar: show this rank's samples/s, the wait fraction and the sync mode in the progress bar.
         print_summary: print the per-rank summary table on rank 0 at the end of fit.
         smoothing: exponential smoothing factor of the progress-bar throughput (0 = no smoothing, < 1).
+        summary_file: if set, rank 0 also writes :attr:`summary` there as JSON. With ``spawn`` start methods the
+            callback runs in child processes, so this file is how the launching process gets the figures.
 
     Example::
 
@@ -65,6 +69,7 @@ class SyncMonitor(Callback):
         progress_bar: bool = True,
         print_summary: bool = True,
         smoothing: float = 0.9,
+        summary_file: str | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= smoothing < 1.0:
@@ -73,6 +78,7 @@ class SyncMonitor(Callback):
         self.progress_bar = progress_bar
         self.print_summary = print_summary
         self.smoothing = smoothing
+        self.summary_file = summary_file
         self.summary: dict[str, Any] = {}
         self._recorder: StatsRecorder | None = None
         self._agg: dict[str, Any] = {}
@@ -182,6 +188,10 @@ class SyncMonitor(Callback):
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
         if self.print_summary:
             _print_summary(self.summary)
+        if self.summary_file and trainer.is_global_zero:
+            path = Path(self.summary_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.summary, indent=2))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
