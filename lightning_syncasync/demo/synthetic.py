@@ -28,9 +28,10 @@ class SyntheticDataModule(LightningDataModule):
     For every sample ``x ~ N(0, I)`` (shape ``input_shape``), the label is ``argmax(W2 tanh(W1 flatten(x)))`` with
     seeded random ``W1``/``W2``; with probability ``noise`` it is replaced by a uniformly random class. The last
     ``val_fraction`` of the samples is the validation split (samples are i.i.d., so a tail split is unbiased). The
-    validation split doubles as test. With the defaults a small MLP reaches ~60 % validation accuracy (chance: 10 %)
-    in a few epochs; for much larger ``input_shape`` scale ``num_samples`` roughly with the input size to stay
-    learnable.
+    validation split doubles as test. With the defaults the default MLP :class:`Classifier` reaches ~63 % validation
+    accuracy (chance: 10 %) in 3 epochs. For much larger ``input_shape`` scale ``num_samples`` roughly with the input
+    size to stay learnable (``[3, 32, 32]`` needs ~64k samples for ~57 %). The teacher depends on pixel positions, so
+    a global-average-pooling convnet stays near chance: use the convnet here as a throughput workload only.
 
     Attributes:
         num_classes: Number of classes.

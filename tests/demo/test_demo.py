@@ -171,12 +171,12 @@ def test_synthetic_bad_arguments(kwargs: dict[str, object], name: str) -> None:
 @pytest.mark.timeout(60)
 def test_synthetic_is_learnable() -> None:
     seed_everything(0)
-    dm = SyntheticDataModule(num_samples=4096, batch_size=64)
-    model = Classifier(input_shape=dm.input_shape, num_classes=dm.num_classes, hidden=128, depth=2)
+    dm = SyntheticDataModule()
+    model = Classifier(input_shape=dm.input_shape, num_classes=dm.num_classes, arch="mlp")
     trainer = _trainer(max_epochs=3)
     trainer.fit(model, datamodule=dm)
-    # Chance is 10 %; the noiseless teacher labels are only partly recoverable from 3.7k samples in 3 epochs.
-    assert float(trainer.callback_metrics["val_acc"]) > 0.4
+    # Chance is 10 %; the defaults give ~0.63 here across seeds.
+    assert float(trainer.callback_metrics["val_acc"]) > 0.5
 
 
 # -------------------------------------------------------------------------------------------------------------- models
@@ -186,7 +186,8 @@ def test_synthetic_is_learnable() -> None:
 def test_classifier_mlp_learns_digits() -> None:
     seed_everything(0)
     dm = DigitsDataModule(batch_size=32)
-    model = Classifier(arch="mlp")
+    # lr 5e-3 instead of the default 1e-3: with the default the 3-epoch accuracy sits at 0.90-0.94, too close to call.
+    model = Classifier(arch="mlp", lr=5e-3)
     trainer = _trainer(max_epochs=3)
     trainer.fit(model, datamodule=dm)
     assert float(trainer.callback_metrics["val_acc"]) >= 0.9

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lightning_syncasync.algorithms.stats import StatsRecorder
+
+
+def test_blocking_collectives_add_bytes_and_wait():
+    rec = StatsRecorder()
+    rec.begin_step()
+    rec.record_blocking(nbytes=1000, scope="inter", seconds=0.0)
+    rec.record_blocking(nbytes=24, scope="intra", seconds=0.0)
+    time.sleep(0.02)
+    rec.record_wait(0.005)
+    s = rec.end_step(step=3, samples=32)
+    assert (s.step, s.bytes_inter, s.bytes_intra, s.bytes_total, s.samples) == (3, 1000, 24, 1024, 32)
+    assert s.wait_s == pytest.approx(0.005)
+    assert s.wall_s >= 0.02
+    assert s.compute_s == pytest.approx(s.wall_s - 0.005)
+    assert s.samples_per_s == pytest.approx(32 / s.wall_s)
+    assert rec.last is s
+    assert rec.total_bytes == {"intra": 24, "inter": 1000}
+
+
+def test_overlapped_wait_is_the_tail_after_the_last_launch():
+    rec = StatsRecorder()
+    rec.begin_step()
+    t0 = time.perf_counter()
+    rec.record_launch(100, "intra", at=t0)
+    rec.record_launch(100, "intra", at=t0 + 0.010)  # last bucket: backward's compute ends here
+    rec.record_completion(at=t0 + 0.012)
+    rec.record_completion(at=t0 + 0.025)
+    time.sleep(0.03)
+    s = rec.end_step(step=0, samples=1)
+    assert s.bytes_intra == 200
+    assert s.wait_s == pytest.approx(0.015, abs=1e-9)
+
+
+def test_wait_never_exceeds_the_step():
+    rec = StatsRecorder()
+    rec.begin_step()
+    rec.record_wait(10.0)
+    s = rec.end_step(step=0, samples=1)
+    assert s.wait_s == pytest.approx(s.wall_s)
+    assert s.compute_s == 0.0
+
+
+def test_records_between_steps_count_in_the_next_step_and_steps_reset():
+    rec = StatsRecorder()
+    rec.record_blocking(8, "inter", 0.0)  # e.g. a collective issued during setup
+    rec.begin_step()
+    assert rec.end_step(0, 1).bytes_inter == 8
+    rec.begin_step()
+    s = rec.end_step(1, 1)
+    assert s.bytes_inter == 0 and s.wait_s == 0.0
+
+
+def test_staleness_and_mode():
+    rec = StatsRecorder(mode="async")
+    rec.begin_step()
+    for v in (0, 2, 4):
+        rec.record_staleness(v)
+    s = rec.end_step(0, 1)
+    assert (s.staleness_mean, s.staleness_max, s.mode) == (2.0, 4.0, "async")
+
+
+def test_thread_safe_completions():
+    rec = StatsRecorder()
+    rec.begin_step()
+
+    def launch_many():
+        for _ in range(1000):
+            rec.record_launch(4, "intra")
+            rec.record_completion()
+
+    threads = [threading.Thread(target=launch_many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rec.end_step(0, 1).bytes_intra == 4 * 4 * 1000
+
+
+def test_history_is_bounded():
+    rec = StatsRecorder(history=3)
+    for i in range(5):
+        rec.begin_step()
+        rec.end_step(i, 1)
+    assert [s.step for s in rec.history] == [2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda r: r.record_blocking(-1, "intra", 0.0), "nbytes"),
+        (lambda r: r.record_launch(1, "between", None), "scope"),
+        (lambda r: r.record_staleness(-1), "staleness"),
+    ],
+)
+def test_bad_records_are_rejected(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(StatsRecorder())
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="history"):
+        StatsRecorder(history=0)
+    with pytest.raises(ValueError, match="mode"):
+        StatsRecorder(mode="")

@@ -1,0 +1,121 @@
+"""SyncMonitor with real Lightning runs: DDP over gloo (spawn) and a single process."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_syncasync.callbacks import SyncMonitor
+
+
+class TinyModel(LightningModule):
+    """Module level so that spawn can pickle it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 8, generator=g)
+        return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+
+
+PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
+
+
+def _fit(tmp_path: Path, **trainer_kwargs) -> dict:
+    summary_file = tmp_path / "summary.json"
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        logger=CSVLogger(tmp_path, name="csv", version=0),
+        callbacks=[SyncMonitor(summary_file=str(summary_file))],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        **trainer_kwargs,
+    )
+    trainer.fit(TinyModel())
+    return json.loads(summary_file.read_text())
+
+
+@pytest.mark.timeout(180)
+def test_ddp_spawn_reports_bytes_and_wait_per_step(tmp_path):
+    summary = _fit(tmp_path, strategy="ddp_spawn", devices=2, enable_progress_bar=False)
+    assert summary["world_size"] == 2 and summary["mode"] == "sync" and len(summary["ranks"]) == 2
+    for rank in summary["ranks"]:
+        assert rank["steps"] == 10
+        # Measured from DDP's gradient buckets: exactly the model's gradient bytes every step, all intra-node.
+        assert rank["bytes_intra_per_step"] == PARAM_BYTES
+        assert rank["bytes_inter_per_step"] == 0
+        assert rank["wait_s_per_step"] > 0
+        assert 0 < rank["wait_frac"] < 1
+        assert rank["samples_per_s"] > 0
+    assert summary["global_samples_per_s"] == pytest.approx(sum(r["samples_per_s"] for r in summary["ranks"]))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    logged = {k for row in rows for k, v in row.items() if v}
+    for name in (
+        "compute_s",
+        "wait_s",
+        "bytes_intra",
+        "bytes_inter",
+        "samples_per_s",
+        "staleness",
+        "epoch_global_samples_per_s",
+        "epoch_bytes_per_step",
+    ):
+        assert f"syncasync/{name}" in logged
+    assert float(next(r for r in rows if r["syncasync/bytes_intra"])["syncasync/bytes_intra"]) == PARAM_BYTES
+
+
+class _ReadProgressBar(Callback):
+    def __init__(self) -> None:
+        self.items: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.items = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
+
+
+def test_single_process_reports_no_communication_and_shows_mode_in_progress_bar(tmp_path):
+    reader = _ReadProgressBar()
+    monitor = SyncMonitor()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        logger=False,
+        callbacks=[monitor, reader],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyModel())
+    assert reader.items["mode"] == "local"
+    assert reader.items["syncasync/sps"] > 0
+    s = monitor.summary
+    assert s["world_size"] == 1 and s["bytes_per_step"] == 0 and s["wait_s_per_step"] == 0
+    assert s["ranks"][0]["steps"] == 5
+    assert monitor.recorder is not None and len(monitor.recorder.history) == 5
+    # the progress bar is handed back unchanged after fit
+    assert "mode" not in trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
+
+
+def test_bad_smoothing_is_rejected():
+    with pytest.raises(ValueError, match="smoothing"):
+        SyncMonitor(smoothing=1.0)
