@@ -8,6 +8,7 @@ many parameters per FLOP (communication-bound), ``"convnet"`` has few parameters
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -118,7 +119,9 @@ class Classifier(LightningModule):
         if input_shape is None:
             input_shape = [1, 8, 8]
         if (
-            not isinstance(input_shape, (list, tuple))
+            # Any non-string sequence, so OmegaConf ListConfigs work without _convert_.
+            not isinstance(input_shape, Sequence)
+            or isinstance(input_shape, str)
             or len(input_shape) == 0
             or not all(isinstance(d, int) and d >= 1 for d in input_shape)
         ):

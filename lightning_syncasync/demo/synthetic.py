@@ -9,6 +9,7 @@ label noise, and everything is generated from ``seed`` so all DDP ranks build th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -71,7 +72,9 @@ class SyntheticDataModule(LightningDataModule):
         if input_shape is None:
             input_shape = [1, 16, 16]
         if (
-            not isinstance(input_shape, (list, tuple))
+            # Any non-string sequence, so OmegaConf ListConfigs work without _convert_.
+            not isinstance(input_shape, Sequence)
+            or isinstance(input_shape, str)
             or len(input_shape) == 0
             or not all(isinstance(d, int) and d >= 1 for d in input_shape)
         ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import TensorDataset
 
 from lightning_syncasync.demo import Classifier, DigitsDataModule, SyntheticDataModule, TextDataModule, TransformerLM
+from lightning_syncasync.demo.lm import LinearWarmup
 from lightning_syncasync.demo.text import load_corpus
 
 
@@ -307,3 +309,22 @@ def test_transformer_lm_trains() -> None:
 def test_transformer_lm_bad_arguments(kwargs: dict[str, object], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         TransformerLM(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_everything_pickles_for_spawn() -> None:
+    # The spawn start method pickles the data module and model into every worker process.
+    data_modules = [
+        DigitsDataModule(),
+        TextDataModule(seq_len=16, max_chars=2_000),
+        SyntheticDataModule(num_samples=64, input_shape=[2, 4, 4]),
+    ]
+    for dm in data_modules:
+        dm.setup("fit")
+        clone = pickle.loads(pickle.dumps(dm))
+        assert torch.equal(_tensors(clone.val_dataset)[1], _tensors(dm.val_dataset)[1])
+    for model in [Classifier(arch="convnet"), TransformerLM(d_model=32, n_layers=1, n_heads=2, warmup_steps=4)]:
+        clone = pickle.loads(pickle.dumps(model))
+        assert clone.hparams == model.hparams
+    warmup = pickle.loads(pickle.dumps(LinearWarmup(4)))
+    assert [warmup(step) for step in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]

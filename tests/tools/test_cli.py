@@ -1,0 +1,75 @@
+"""syncasync-cli: Lightning's CLI with our strategy names, the demos and SyncMonitor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_syncasync.cli import build_cli
+
+CLI = [sys.executable, "-m", "lightning_syncasync.cli"]
+
+
+def _cli(tmp_path: Path, *args: str, timeout: int = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_print_config_round_trips(tmp_path):
+    args = [
+        "fit",
+        "--trainer.strategy=ddp_spawn",
+        "--trainer.callbacks+=lightning_syncasync.callbacks.SyncMonitor",
+        "--model.init_args.hidden=64",
+    ]
+    first = _cli(tmp_path, *args, "--print_config")
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "job.yaml").write_text(first.stdout)
+    second = _cli(tmp_path, "fit", "--config", "job.yaml", "--print_config")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    cfg = yaml.safe_load(first.stdout)
+    assert cfg["trainer"]["callbacks"][0]["class_path"] == "lightning_syncasync.callbacks.SyncMonitor"
+    assert cfg["model"]["class_path"] == "lightning_syncasync.demo.Classifier"
+    assert cfg["model"]["init_args"]["hidden"] == 64
+
+
+@pytest.mark.timeout(240)
+def test_fit_with_sync_monitor_from_the_command_line(tmp_path):
+    proc = _cli(
+        tmp_path,
+        "fit",
+        "--trainer.strategy=ddp_spawn",
+        "--trainer.max_epochs=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=lightning_syncasync.callbacks.SyncMonitor",
+        f"--trainer.callbacks.init_args.summary_file={tmp_path / 's.json'}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "syncasync summary" in proc.stdout
+    assert (tmp_path / "s.json").exists()
+
+
+def test_defaults_parse_in_process():
+    cli = build_cli(args=["--trainer.logger=false", "--trainer.enable_checkpointing=false"], run=False)
+    assert cli.trainer.world_size == 2
+    assert type(cli.model).__name__ == "Classifier" and type(cli.datamodule).__name__ == "DigitsDataModule"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--trainer.strategy=hier_sink", "--trainer.max_epochs=1"], "hier_sink"),
+        (["fit", "--model.init_args.hiden=3"], "hiden"),
+        (["fit", "--trainer.max_epochs=ten"], "max_epochs"),
+    ],
+)
+@pytest.mark.timeout(120)
+def test_bad_input_is_rejected_with_the_setting_named(tmp_path, args, message):
+    proc = _cli(tmp_path, *args, timeout=100)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout

@@ -1,0 +1,154 @@
+"""Every config group composes, validates against its schema and instantiates; bad input fails at composition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import Strategy
+from omegaconf import OmegaConf, open_dict
+
+import lightning_syncasync.train as train_app
+
+CONF = Path(train_app.__file__).parent / "conf"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def hydra_ctx():
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_syncasync.conf", version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def _compose(*overrides: str):
+    cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # so ${hydra:runtime.output_dir} resolves
+    return cfg
+
+
+def _build(obj_cfg):
+    return hydra.utils.instantiate(obj_cfg, _convert_="all")
+
+
+def test_default_job_composes_and_instantiates(tmp_path):
+    cfg = _compose(f"hydra.runtime.output_dir={tmp_path}")
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
+    assert isinstance(_build(cfg.model), LightningModule)
+    assert isinstance(_build(cfg.data), LightningDataModule)
+    assert isinstance(_build(cfg.trainer.strategy), Strategy)
+    assert all(isinstance(_build(c), Callback) for c in cfg.callbacks.values())
+    assert all(isinstance(_build(c), Logger) for c in cfg.logger.values())
+
+
+@pytest.mark.parametrize("strategy", _options("strategy"))
+def test_every_strategy_config(strategy):
+    cfg = _compose(f"strategy={strategy}", "trainer.devices=2")
+    obj = _build(cfg.trainer.strategy)
+    assert isinstance(obj, Strategy)
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=False)
+    trainer_cfg.pop("default_root_dir")
+    trainer = _build({**trainer_cfg, "logger": False})
+    assert isinstance(trainer, Trainer) and trainer.world_size == 2
+
+
+@pytest.mark.parametrize("option", [o for o in _options("callbacks")])
+def test_every_callbacks_config(option, tmp_path):
+    cfg = _compose(f"callbacks={option}", f"hydra.runtime.output_dir={tmp_path}")
+    for c in cfg.callbacks.values():
+        assert isinstance(_build(c), Callback)
+
+
+@pytest.mark.parametrize("option", _options("logger"))
+def test_every_logger_config(option, tmp_path):
+    cfg = _compose(f"logger={option}", f"hydra.runtime.output_dir={tmp_path}")
+    for c in cfg.logger.values():
+        assert isinstance(_build(c), Logger)
+
+
+@pytest.mark.parametrize("option", _options("trainer"))
+def test_every_trainer_config(option):
+    cfg = _compose(f"trainer={option}")
+    assert cfg.trainer._target_.endswith("Trainer")
+
+
+@pytest.mark.parametrize(
+    ("data", "model"), [("digits", "digits_mlp"), ("synthetic", "convnet"), ("text", "transformer_lm")]
+)
+def test_data_and_model_pairs(data, model):
+    cfg = _compose(f"data={data}", f"model={model}")
+    dm, m = _build(cfg.data), _build(cfg.model)
+    assert isinstance(dm, LightningDataModule) and isinstance(m, LightningModule)
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment(experiment):
+    cfg = _compose(f"experiment={experiment}")
+    assert isinstance(_build(cfg.model), LightningModule)
+    assert isinstance(_build(cfg.data), LightningDataModule)
+
+
+def test_hparams_search_optuna_composes():
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="needs the `sweep` extra")
+    cfg = _compose("hparams_search=optuna")
+    assert cfg.hydra.sweeper.direction == "maximize"
+    assert "model.lr" in cfg.hydra.sweeper.params
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("strategy.stalenes=3", "stalenes"),  # unknown key in a strategy
+        ("model.hiden=64", "hiden"),  # unknown key in the model
+        ("trainer.max_epochs=ten", "max_epochs"),  # wrong type
+        ("data.batch_size=big", "batch_size"),  # wrong type
+        ("strategy=hier_sink", "hier_sink"),  # unknown strategy name
+        ("trainer.not_an_arg=1", "not_an_arg"),  # unknown Trainer argument
+        ("callbacks.sync_monitor.smothing=0.5", "smothing"),  # unknown callback argument
+    ],
+)
+def test_bad_input_fails_at_composition(override, match):
+    with pytest.raises(ConfigCompositionException, match=match):
+        _compose(override)
+
+
+def test_forced_unknown_trainer_argument_fails_when_building_the_trainer():
+    # `+key=value` tells Hydra to add a key on purpose; the Trainer then refuses it by name, still before training.
+    cfg = _compose("+trainer.not_an_arg=1", "logger=none", "callbacks=none")
+    with pytest.raises(Exception, match="not_an_arg"):
+        _build(cfg.trainer)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["trainer.devices=0"], "trainer.devices"),
+        (["trainer.devices=-4"], "trainer.devices"),
+        (["trainer.devices=100000"], "trainer.devices"),
+        (["trainer.num_nodes=0"], "trainer.num_nodes"),
+        (["~strategy", "trainer.strategy=no_such_strategy"], "no_such_strategy"),
+    ],
+)
+def test_impossible_settings_fail_before_training(overrides, match):
+    cfg = _compose(*overrides)
+    with pytest.raises(ValueError, match=match):
+        train_app.validate_config(cfg)
+
+
+def test_validate_config_accepts_the_defaults():
+    cfg = _compose()
+    train_app.validate_config(cfg)
+    with open_dict(cfg):
+        cfg.trainer.strategy = "ddp_spawn"
+    train_app.validate_config(cfg)
