@@ -100,7 +100,6 @@ def test_every_experiment(experiment):
 
 
 def test_hparams_search_optuna_composes():
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="needs the `sweep` extra")
     cfg = _compose("hparams_search=optuna")
     assert cfg.hydra.sweeper.direction == "maximize"
     assert "model.lr" in cfg.hydra.sweeper.params
