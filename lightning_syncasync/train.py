@@ -106,6 +106,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     datamodule = _instantiate(cfg.data)
     model = _instantiate(cfg.model)
     callbacks = _instantiate_dict(cfg.callbacks)
+    from lightning_syncasync.callbacks.straggler import StragglerEmulator
+
+    straggler = StragglerEmulator.from_env()  # set by syncasync-emulate --jitter/--straggler-schedule
+    if straggler is not None:
+        callbacks.append(straggler)  # after SyncMonitor, so the injected pause falls inside the measured step
     loggers = _instantiate_dict(cfg.logger)
     trainer: pl.Trainer = _instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,8 @@ class SyncMonitor(Callback):
     Logged per step (values of the logging rank) under ``prefix``: ``compute_s``, ``wait_s``, ``wait_frac``,
     ``bytes_intra``, ``bytes_inter``, ``samples_per_s``, ``staleness``, ``staleness_max``; per epoch:
     ``epoch_global_samples_per_s`` (sum of the ranks' rates) and ``epoch_bytes_per_step``. After ``fit`` the
-    aggregated figures are in :attr:`summary` on every rank.
+    aggregated figures are in :attr:`summary` on every rank, with ``fit_wall_s`` and ``val_history`` (each
+    validation's wall-clock time since fit started, step, samples seen by this rank, and ``val*`` metrics).
 
     Args:
         prefix: metric name prefix.
@@ -85,6 +87,9 @@ class SyncMonitor(Callback):
         self._epoch: dict[str, float] = {}
         self._rate: float | None = None
         self._restore_pbar: Callable[[], None] | None = None
+        self._fit_start = 0.0
+        self._samples_seen = 0
+        self.val_history: list[dict[str, Any]] = []
 
     @property
     def recorder(self) -> StatsRecorder | None:
@@ -109,6 +114,9 @@ class SyncMonitor(Callback):
         }
         self._rate = None
         self.summary = {}
+        self.val_history = []
+        self._samples_seen = 0
+        self._fit_start = time.perf_counter()
         if self.progress_bar and trainer.progress_bar_callback is not None:
             self._wrap_progress_bar(trainer)
 
@@ -177,6 +185,25 @@ class SyncMonitor(Callback):
         )
 
     @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation metric against wall-clock time: what time-to-accuracy comparisons are made of.
+        if trainer.sanity_checking or self._recorder is None:
+            return
+        metrics = {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith("val") and isinstance(v, torch.Tensor) and v.numel() == 1
+        }
+        self.val_history.append(
+            {
+                "elapsed_s": time.perf_counter() - self._fit_start,
+                "step": trainer.global_step,
+                "samples": self._samples_seen,
+                "metrics": metrics,
+            }
+        )
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._recorder is None:
             return
@@ -186,6 +213,8 @@ class SyncMonitor(Callback):
             warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
             gathered = trainer.strategy.all_gather(local.to(pl_module.device)).cpu().reshape(-1, len(_FIELDS))
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
+        self.summary["fit_wall_s"] = time.perf_counter() - self._fit_start
+        self.summary["val_history"] = self.val_history
         if self.print_summary:
             _print_summary(self.summary)
         if self.summary_file and trainer.is_global_zero:
@@ -211,6 +240,7 @@ class SyncMonitor(Callback):
         a["staleness_mean"].update(stats.staleness_mean)
         a["staleness_max"].update(stats.staleness_max)
         ep = self._epoch
+        self._samples_seen += stats.samples
         ep["steps"] += 1
         ep["samples"] += stats.samples
         ep["wall_s"] += stats.wall_s

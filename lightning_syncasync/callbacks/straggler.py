@@ -1,0 +1,213 @@
+"""``StragglerEmulator``: make chosen ranks slow on purpose, reproducibly, to study stragglers.
+
+Three kinds of slowness, each given as a spec string (the same syntax as ``syncasync-emulate``):
+
+* ``slowdown="3:1.5"``: rank 3 takes 1.5x its compute time every step (persistent heterogeneity);
+* ``schedule="3:2@0.33-0.67"``: rank 3 is 2x slower between 33% and 67% of the planned steps (a straggler that
+  appears and recovers mid-run);
+* ``jitter="0.1:4"``: each step, each rank pauses for 4x its compute time with probability 0.1 (transient noise),
+  drawn from a generator seeded by ``seed`` and the rank, so runs are repeatable.
+
+The extra time is injected as a sleep at the start of the step, so ``SyncMonitor`` counts it as compute (which is
+what a slower machine costs), and it is scaled by the step's own compute time measured by ``SyncMonitor`` (without
+the sleep injected before). Sleeping frees the CPU for other processes on the same machine, which makes them faster
+and understates the slowdown (FINDINGS: a rank slept 1.5x slower measured only 1.07-1.28x slower with 4 processes
+on 2 cores). ``syncasync-emulate`` therefore caps every rank's CPU share with cgroups, under which a sleep costs
+exactly its duration; persistent slowdowns are applied there as smaller CPU shares, and this callback handles the
+time-dependent parts. ``syncasync-emulate`` passes the specs through environment variables, which
+:meth:`StragglerEmulator.from_env` reads; ``syncasync-train`` adds the callback when they are set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_syncasync.callbacks._stats_source import stats_recorder
+
+log = logging.getLogger(__name__)
+
+ENV_SLOWDOWN = "SYNCASYNC_SLOWDOWN"
+ENV_SCHEDULE = "SYNCASYNC_SLOWDOWN_SCHEDULE"
+ENV_JITTER = "SYNCASYNC_JITTER"
+ENV_SEED = "SYNCASYNC_STRAGGLER_SEED"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Rank ``rank`` is ``factor`` times slower between fractions ``start`` and ``end`` of the planned steps."""
+
+    rank: int
+    factor: float
+    start: float = 0.0
+    end: float = 1.0
+
+
+def parse_slowdown(spec: str) -> list[Window]:
+    """``"3:1.5,2:1.2"`` -> persistent windows."""
+    out = []
+    for item in _items(spec):
+        rank, factor = _pair(item, "slowdown", "RANK:FACTOR, e.g. 3:1.5")
+        out.append(Window(int(rank), _factor(factor, "slowdown")))
+    return out
+
+
+def parse_schedule(spec: str) -> list[Window]:
+    """``"3:2@0.33-0.67"`` -> time windows (fractions of the planned steps)."""
+    out = []
+    for item in _items(spec):
+        head, _, span = item.partition("@")
+        rank, factor = _pair(head, "schedule", "RANK:FACTOR@START-END, e.g. 3:2@0.33-0.67")
+        start, sep, end = span.partition("-")
+        try:
+            lo, hi = (float(start), float(end)) if sep else (float("nan"), float("nan"))
+        except ValueError:
+            lo = hi = float("nan")
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(
+                f"schedule item {item!r}: the window must be START-END with 0 <= START < END <= 1, e.g. 3:2@0.33-0.67"
+            )
+        out.append(Window(int(rank), _factor(factor, "schedule"), lo, hi))
+    return out
+
+
+def parse_jitter(spec: str) -> tuple[float, float]:
+    """``"0.1:4"`` -> (probability, factor); ``""`` -> (0, 0)."""
+    if not spec.strip():
+        return 0.0, 0.0
+    prob, factor = _pair(spec.strip(), "jitter", "PROB:FACTOR, e.g. 0.1:4")
+    p = float(prob)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"jitter probability must be in [0, 1], got {p}; e.g. jitter=0.1:4")
+    f = float(factor)
+    if f <= 0:
+        raise ValueError(f"jitter factor must be > 0 (pause = factor x compute time), got {f}; e.g. jitter=0.1:4")
+    return p, f
+
+
+def _items(spec: str) -> list[str]:
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+def _pair(item: str, name: str, form: str) -> tuple[str, str]:
+    a, sep, b = item.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        float(b)
+        if name != "jitter" and int(a) < 0:
+            raise ValueError
+        float(a)
+    except ValueError:
+        raise ValueError(f"{name} item {item!r} is not of the form {form}") from None
+    return a, b
+
+
+def _factor(value: str, name: str) -> float:
+    f = float(value)
+    if f < 1.0:
+        raise ValueError(f"{name} factor must be >= 1 (1.5 = 1.5x slower), got {f}")
+    return f
+
+
+class StragglerEmulator(Callback):
+    """Inject reproducible slowness into chosen ranks (see the module docstring for the spec syntax).
+
+    Args:
+        slowdown: persistent per-rank slowdowns, ``"RANK:FACTOR,..."`` (sleep based; prefer the emulator's cgroup
+            shares for these, which do not free CPU for the others).
+        schedule: time-windowed slowdowns, ``"RANK:FACTOR@START-END,..."`` with fractions of the planned steps.
+        jitter: transient pauses, ``"PROB:FACTOR"``.
+        seed: seed of the jitter draws (combined with the rank).
+
+    Example::
+
+        Trainer(callbacks=[SyncMonitor(), StragglerEmulator(jitter="0.1:4", seed=1)])
+    """
+
+    def __init__(self, slowdown: str = "", schedule: str = "", jitter: str = "", seed: int = 0) -> None:
+        super().__init__()
+        self.windows = parse_slowdown(slowdown) + parse_schedule(schedule)
+        self.jitter_prob, self.jitter_factor = parse_jitter(jitter)
+        self.seed = seed
+        self.spec = {"slowdown": slowdown, "schedule": schedule, "jitter": jitter, "seed": seed}
+        self._rng = random.Random(seed)
+        self._last_sleep = 0.0
+        self._planned_steps = 0
+        self.injected_s = 0.0
+        self.events = 0
+        self._step_start = 0.0
+        self._own_wall: float | None = None
+        self._last_seen_step: int | None = None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> StragglerEmulator | None:
+        """The emulator configured by ``syncasync-emulate``'s environment variables, or ``None`` if none is set."""
+        env = os.environ if environ is None else environ
+        specs = {
+            k: env.get(v, "")
+            for k, v in (("slowdown", ENV_SLOWDOWN), ("schedule", ENV_SCHEDULE), ("jitter", ENV_JITTER))
+        }
+        if not any(s.strip() for s in specs.values()):
+            return None
+        return cls(**specs, seed=int(env.get(ENV_SEED, "0")))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.windows) or self.jitter_prob > 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Different ranks draw different jitter, and the same rank draws the same sequence in every run.
+        self._rng = random.Random(self.seed * 1_000_003 + trainer.global_rank)
+        planned = trainer.estimated_stepping_batches
+        self._planned_steps = int(planned) if planned != float("inf") else 0
+        self._last_sleep = 0.0
+        if self.active:
+            log.info("rank %d: straggler emulation %s", trainer.global_rank, self.spec)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.active:
+            return
+        self._step_start = time.perf_counter()
+        last = stats_recorder(trainer).last
+        if last is not None and last.step != self._last_seen_step:
+            measured = last.compute_s  # SyncMonitor's figure: wall time minus communication wait
+            self._last_seen_step = last.step
+        elif self._own_wall is not None:
+            measured = self._own_wall  # no SyncMonitor: the whole step's wall time is the best estimate
+        else:
+            self._last_sleep = 0.0
+            return  # no measurement yet: the first step runs at native speed
+        compute = max(measured - self._last_sleep, 0.0)
+        factor = 1.0
+        progress = trainer.global_step / self._planned_steps if self._planned_steps else 0.0
+        for w in self.windows:
+            if w.rank == trainer.global_rank and w.start <= progress < w.end:
+                factor *= w.factor
+        sleep = (factor - 1.0) * compute
+        if self.jitter_prob > 0 and self._rng.random() < self.jitter_prob:
+            sleep += self.jitter_factor * compute
+            self.events += 1
+        self._last_sleep = sleep
+        if sleep > 0:
+            self.injected_s += sleep
+            time.sleep(sleep)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.active:
+            self._own_wall = time.perf_counter() - self._step_start

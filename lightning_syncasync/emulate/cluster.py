@@ -1,0 +1,316 @@
+"""Run a training command as a multi-node job on one machine, started the way torchrun starts ranks.
+
+Every rank is its own process with torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``), so Lightning picks its
+``TorchElasticEnvironment`` exactly as under torchrun on real nodes and checks that ``num_nodes x devices`` matches
+the world size. With network namespaces each rank runs inside its node's namespace with ``GLOO_SOCKET_IFNAME`` set
+to the node's interface; with cgroups each rank gets a fixed CPU share. Nothing in the strategies knows it is
+emulated: the only package-specific variables are the straggler specs that ``StragglerEmulator`` reads.
+
+Failure handling: when a rank exits non-zero, the others get ``grace_s`` seconds and are then killed; Ctrl-C and
+SIGTERM kill every rank. In all cases namespaces, links and cgroups are removed before :meth:`EmulatedCluster.run`
+returns (or re-raises).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+from lightning_syncasync.callbacks.straggler import (
+    ENV_JITTER,
+    ENV_SCHEDULE,
+    ENV_SEED,
+    parse_jitter,
+    parse_schedule,
+)
+from lightning_syncasync.emulate.cgroups import CpuShares, cgroup_cpu_root
+from lightning_syncasync.emulate.network import EmulatedNetwork
+
+log = logging.getLogger(__name__)
+
+Command = Sequence[str] | Callable[[int], Sequence[str]]
+
+
+@dataclass
+class EmulationReport:
+    """What was emulated and how it ended (written as ``emulation.json`` in the log folder)."""
+
+    nodes: int
+    procs_per_node: int
+    link_mbit: float | None
+    netns: bool
+    cpu_mode: str  # "cgroup" (fixed shares) or "sleep" (no cgroups: slowdowns injected as sleeps, confounded)
+    cores_per_rank: list[float]
+    stragglers: dict[int, float]
+    jitter: str
+    schedule: str
+    seed: int
+    independent: bool
+    exit_codes: list[int | None] = field(default_factory=list)
+    wall_s: float = 0.0
+    failed_rank: int | None = None
+    interrupted: bool = False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmulatedCluster:
+    """A job of ``nodes x procs_per_node`` ranks on this machine.
+
+    Args:
+        nodes: emulated nodes.
+        procs_per_node: ranks per node.
+        link_mbit: inter-node link rate (Mbit/s) per node; ``None`` for no limit.
+        stragglers: ``{rank: factor}``: the rank's CPU share is divided by ``factor`` (1.5 = 1.5x slower).
+        jitter: ``"PROB:FACTOR"`` transient pauses (injected by ``StragglerEmulator`` in the training process).
+        schedule: ``"RANK:FACTOR@START-END"`` time-windowed slowdowns (idem).
+        seed: seed of the jitter draws.
+        cpu_budget: cores shared by all ranks (default: 90% of this machine's cores); each rank gets
+            ``cpu_budget / world_size`` cores, divided by its straggler factor. Must not exceed the machine's cores,
+            or the shares stop being independent.
+        netns: emulate nodes with network namespaces (root); ``False``: plain loopback, no bandwidth limit.
+        cgroups: cap CPU shares with cgroups; ``False`` (or unavailable): persistent slowdowns become sleeps.
+        independent: start every rank as a world of one (no communication at all): the no-communication limit.
+        log_dir: where ``rank{r}.log`` and ``emulation.json`` go (default: a new temporary folder).
+        grace_s: how long the other ranks may run after one failed, before they are killed.
+        echo_rank0: copy rank 0's output to this process's stdout.
+    """
+
+    def __init__(
+        self,
+        nodes: int = 2,
+        procs_per_node: int = 2,
+        link_mbit: float | None = None,
+        stragglers: dict[int, float] | None = None,
+        jitter: str = "",
+        schedule: str = "",
+        seed: int = 0,
+        cpu_budget: float | None = None,
+        netns: bool = True,
+        cgroups: bool = True,
+        independent: bool = False,
+        log_dir: str | Path | None = None,
+        grace_s: float = 30.0,
+        echo_rank0: bool = True,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {nodes}")
+        if procs_per_node < 1:
+            raise ValueError(f"--procs-per-node must be >= 1, got {procs_per_node}")
+        self.world_size = nodes * procs_per_node
+        self.stragglers = dict(stragglers or {})
+        for rank, factor in self.stragglers.items():
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"--straggler rank {rank} is outside the world of {self.world_size} ranks")
+            if factor < 1:
+                raise ValueError(f"--straggler factor must be >= 1 (1.5 = 1.5x slower), got {rank}:{factor}")
+        parse_jitter(jitter)  # validate early, with the spec's own error messages
+        for w in parse_schedule(schedule):
+            if not 0 <= w.rank < self.world_size:
+                raise ValueError(f"--straggler-schedule rank {w.rank} is outside the world of {self.world_size} ranks")
+        cores = os.cpu_count() or 1
+        budget = 0.9 * cores if cpu_budget is None else cpu_budget
+        if not 0 < budget <= cores:
+            raise ValueError(
+                f"--cpu-budget must be in (0, {cores}] (this machine's cores), got {budget}; above it the ranks "
+                "compete for CPU and stop behaving like separate machines"
+            )
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        self.nodes, self.procs_per_node = nodes, procs_per_node
+        self.link_mbit = link_mbit
+        self.jitter, self.schedule, self.seed = jitter, schedule, seed
+        self.cpu_budget = budget
+        self.netns = netns
+        self.use_cgroups = cgroups and cgroup_cpu_root() is not None
+        if cgroups and not self.use_cgroups:
+            log.warning("cgroup cpu controller unavailable: slowdowns fall back to sleeps (confounded by contention)")
+        self.independent = independent
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.grace_s = grace_s
+        self.echo_rank0 = echo_rank0
+        self.network: EmulatedNetwork | None = None
+        self.shares: CpuShares | None = None
+        self.procs: list[subprocess.Popen] = []
+        self._stop = threading.Event()
+
+    def cores_per_rank(self) -> list[float]:
+        base = self.cpu_budget / self.world_size
+        return [base / self.stragglers.get(r, 1.0) for r in range(self.world_size)]
+
+    def rank_env(self, rank: int, port: int) -> dict[str, str]:
+        node, local = divmod(rank, self.procs_per_node)
+        env = dict(os.environ)
+        # One intra-op thread per rank: each emulated machine owns its share of one core, not the whole box.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED):
+            env.pop(var, None)
+        if self.independent:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
+                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", NODE_RANK="0")  # fmt: skip
+        else:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world_size),
+                       RANK=str(rank), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(self.procs_per_node),
+                       GROUP_RANK=str(node), NODE_RANK=str(node))  # fmt: skip
+            if self.network is not None:
+                env.update(self.network.node_env(node))
+        env[ENV_SEED] = str(self.seed)
+        if self.jitter:
+            env[ENV_JITTER] = self.jitter
+        if self.schedule:
+            # Windowed slowdowns are about global ranks; an independent rank is rank 0 of its own world, so the
+            # schedule is rewritten to address it.
+            env[ENV_SCHEDULE] = self._schedule_for(rank) if self.independent else self.schedule
+        if not self.use_cgroups and rank in self.stragglers:
+            from lightning_syncasync.callbacks.straggler import ENV_SLOWDOWN
+
+            env[ENV_SLOWDOWN] = f"{0 if self.independent else rank}:{self.stragglers[rank]}"
+        return env
+
+    def _schedule_for(self, rank: int) -> str:
+        items = [w for w in parse_schedule(self.schedule) if w.rank == rank]
+        return ",".join(f"0:{w.factor}@{w.start}-{w.end}" for w in items)
+
+    def run(self, command: Command, timeout_s: float | None = None) -> EmulationReport:
+        """Run ``command`` (or ``command(rank)``) on every rank; ``{rank}`` in arguments is replaced by the rank."""
+        report = EmulationReport(
+            nodes=self.nodes, procs_per_node=self.procs_per_node, link_mbit=self.link_mbit, netns=self.netns,
+            cpu_mode="cgroup" if self.use_cgroups else "sleep", cores_per_rank=self.cores_per_rank(),
+            stragglers=self.stragglers, jitter=self.jitter, schedule=self.schedule, seed=self.seed,
+            independent=self.independent,
+        )  # fmt: skip
+        log_dir = self.log_dir or Path(__import__("tempfile").mkdtemp(prefix="syncasync-emulate-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        files: list[IO[bytes]] = []
+        threads: list[threading.Thread] = []
+        try:
+            if threading.current_thread() is threading.main_thread():
+                for s in previous:
+                    signal.signal(s, self._on_signal)
+            if self.netns:
+                self.network = EmulatedNetwork(self.nodes, self.link_mbit)
+                self.network.setup()
+            if self.use_cgroups:
+                self.shares = CpuShares()
+                for r, cores in enumerate(self.cores_per_rank()):
+                    self.shares.create(f"rank{r}", cores)
+            port = free_port()
+            for rank in range(self.world_size):
+                cmd = [a.replace("{rank}", str(rank)) for a in (command(rank) if callable(command) else command)]
+                if self.network is not None:
+                    cmd = self.network.exec_prefix(rank // self.procs_per_node) + cmd
+                out = open(log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed in finally
+                files.append(out)
+                proc = subprocess.Popen(
+                    cmd,
+                    env=self.rank_env(rank, port),
+                    stdout=subprocess.PIPE if (rank == 0 and self.echo_rank0) else out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: killed as a whole, children included
+                    preexec_fn=self._joiner(rank),
+                )
+                self.procs.append(proc)
+                if proc.stdout is not None:
+                    t = threading.Thread(target=_tee, args=(proc.stdout, out), daemon=True)
+                    t.start()
+                    threads.append(t)
+            self._wait(report, timeout_s)
+        finally:
+            self._kill_all()
+            for t in threads:
+                t.join(timeout=5)
+            for f in files:
+                f.close()
+            if self.shares is not None:
+                self.shares.teardown()
+            if self.network is not None:
+                self.network.teardown()
+            for s, handler in previous.items():
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(s, handler)
+            report.exit_codes = [p.returncode for p in self.procs]
+            report.wall_s = time.monotonic() - start
+            (log_dir / "emulation.json").write_text(json.dumps(asdict(report), indent=2))
+            self.log_dir = log_dir
+        return report
+
+    def _joiner(self, rank: int) -> Callable[[], None] | None:
+        if self.shares is None:
+            return None
+        shares, name = self.shares, f"rank{rank}"
+        return lambda: shares.join(name)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop.set()
+
+    def _wait(self, report: EmulationReport, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failed_at: float | None = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return
+            if self._stop.is_set():
+                report.interrupted = True
+                log.warning("interrupted: stopping all ranks")
+                return
+            if failed_at is None:
+                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    report.failed_rank = bad[0]
+                    failed_at = time.monotonic()
+                    log.error(
+                        "rank %d exited with %d; stopping the others in %.0fs", bad[0], codes[bad[0]], self.grace_s
+                    )
+            elif time.monotonic() - failed_at > self.grace_s:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                report.interrupted = True
+                log.error("timeout after %.0fs: stopping all ranks", timeout_s)
+                return
+            time.sleep(0.1)
+
+    def _kill_all(self) -> None:
+        # Signal every rank's process group, also of ranks that exited: children they left behind (a dataloader
+        # worker, a launcher's subprocess) are in the same group.
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+
+def _tee(src: IO[bytes], dst: IO[bytes]) -> None:
+    for line in iter(src.readline, b""):
+        dst.write(line)
+        dst.flush()
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
