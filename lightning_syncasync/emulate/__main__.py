@@ -114,11 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.info("finished in %.1fs, exit codes %s; logs in %s", report.wall_s, report.exit_codes, cluster.log_dir)
     if report.interrupted:
         return 130
-    bad = [c for c in report.exit_codes if c]
-    if bad:
-        logging.error("rank %s failed; see %s", report.failed_rank, cluster.log_dir)
+    if any(report.exit_codes):
+        # The first rank that failed on its own decides the exit status (the others were stopped by us).
+        failed = (
+            report.failed_rank
+            if report.failed_rank is not None
+            else next(r for r, c in enumerate(report.exit_codes) if c)
+        )
+        code = report.exit_codes[failed] or 1
+        logging.error("rank %d failed with exit code %d; see %s", failed, code, cluster.log_dir)
         print(json.dumps(asdict(report)), file=sys.stderr)
-        return bad[0] if 0 < bad[0] < 256 else 1
+        return code if 0 < code < 256 else 1
     return 0
 
 

@@ -7,34 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from _models import TinyModel  # noqa: E402 (tests/ is on sys.path through its conftest)
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_syncasync.callbacks import SyncMonitor
-
-
-class TinyModel(LightningModule):
-    """Module level so that spawn can pickle it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(256, 8, generator=g)
-        return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
-
 
 PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
 

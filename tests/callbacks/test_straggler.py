@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from _models import TinyModel
+from lightning.pytorch import Trainer
+
+from lightning_syncasync.callbacks import StragglerEmulator, SyncMonitor
+from lightning_syncasync.callbacks.straggler import Window, parse_jitter, parse_schedule, parse_slowdown
+
+
+def test_specs_parse():
+    assert parse_slowdown("3:1.5, 1:2") == [Window(3, 1.5), Window(1, 2.0)]
+    assert parse_schedule("3:2@0.33-0.67") == [Window(3, 2.0, 0.33, 0.67)]
+    assert parse_jitter("0.1:4") == (0.1, 4.0) and parse_jitter("") == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"slowdown": "3"}, "RANK:FACTOR"),
+        ({"slowdown": "3:0.5"}, "factor must be >= 1"),
+        ({"slowdown": "-1:2"}, "RANK:FACTOR"),
+        ({"schedule": "3:2@0.8-0.2"}, "START-END"),
+        ({"schedule": "3:2"}, "START-END"),
+        ({"jitter": "1.5:4"}, "probability"),
+        ({"jitter": "0.1:0"}, "factor must be > 0"),
+    ],
+)
+def test_bad_specs_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StragglerEmulator(**kwargs)
+
+
+def test_from_env_only_when_configured():
+    assert StragglerEmulator.from_env({}) is None
+    emu = StragglerEmulator.from_env({"SYNCASYNC_JITTER": "0.2:3", "SYNCASYNC_STRAGGLER_SEED": "5"})
+    assert emu is not None and (emu.jitter_prob, emu.jitter_factor, emu.seed) == (0.2, 3.0, 5)
+
+
+def _fit(emu: StragglerEmulator, steps: int = 30) -> SyncMonitor:
+    monitor = SyncMonitor(print_summary=False)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[monitor, emu],
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(TinyModel())
+    return monitor
+
+
+def test_jitter_draws_are_seeded_and_the_pause_is_counted_as_compute():
+    emu = StragglerEmulator(jitter="0.3:4", seed=11)
+    monitor = _fit(emu)
+    # The same generator (seed and rank 0) decides the same steps; the first step has no measurement yet.
+    rng = random.Random(11 * 1_000_003 + 0)
+    assert emu.events == sum(rng.random() < 0.3 for _ in range(29)) > 0
+    assert emu.injected_s > 0
+    history = list(monitor.recorder.history)
+    assert sum(s.compute_s for s in history) >= emu.injected_s  # the pause falls inside the measured steps
+
+
+def test_a_scheduled_straggler_only_sleeps_inside_its_window():
+    emu = StragglerEmulator(schedule="0:3@0.5-1.0")
+    monitor = _fit(emu, steps=40)
+    walls = [s.wall_s for s in monitor.recorder.history]
+    first, second = sorted(walls[2:20])[9], sorted(walls[21:])[9]  # medians, away from the boundary
+    assert second > 2.0 * first  # 3x slower in the second half (2x leaves room for timing noise)
+    assert StragglerEmulator(schedule="1:3@0.0-1.0").active  # other ranks' windows are parsed but not applied
+    other = StragglerEmulator(schedule="1:3@0.0-1.0")
+    _fit(other, steps=10)
+    assert other.injected_s == 0.0

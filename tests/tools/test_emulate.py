@@ -1,0 +1,196 @@
+"""syncasync-emulate: real namespaces, links and cgroups (root), torchrun-style environment, clean teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_syncasync.emulate import EmulatedCluster, EmulatedNetwork, EmulationUnavailable
+from lightning_syncasync.emulate import network as network_mod
+from lightning_syncasync.emulate.cgroups import cgroup_cpu_root
+
+EMULATE = [sys.executable, "-m", "lightning_syncasync.emulate"]
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2"
+)
+
+# Prints what a rank sees, as JSON on one line.
+SHOW_ENV = (
+    "import json, os, pathlib; "
+    "cg = [x for x in pathlib.Path('/proc/self/cgroup').read_text().splitlines() "
+    "if ':cpu' in x or x.startswith('0::')]; "
+    "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_RANK', 'NODE_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
+    "'GLOO_SOCKET_IFNAME', 'SYNCASYNC_JITTER', 'SYNCASYNC_STRAGGLER_SEED']; "
+    "print('ENV ' + json.dumps({**{k: os.environ.get(k) for k in keys}, 'cgroup': cg}))"
+)
+
+
+def _leftovers() -> tuple[str, list[str]]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    root = cgroup_cpu_root()
+    groups = [p.name for p in root[0].iterdir() if p.name.startswith("syncasync-")] if root else []
+    return ns, groups
+
+
+def _rank_envs(log_dir: Path, world: int) -> list[dict]:
+    envs = []
+    for r in range(world):
+        line = next(ln for ln in (log_dir / f"rank{r}.log").read_text().splitlines() if ln.startswith("ENV "))
+        envs.append(json.loads(line[4:]))
+    return envs
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_ranks_start_like_torchrun_inside_their_node_and_everything_is_removed(tmp_path):
+    before_ns, before_cg = _leftovers()
+    proc = subprocess.run(
+        [*EMULATE, "--nodes", "2", "--procs-per-node", "2", "--link-mbit", "50", "--straggler", "3:2",
+         "--jitter", "0.1:4", "--seed", "7", "--log-dir", str(tmp_path), "--", sys.executable, "-c", SHOW_ENV],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    envs = _rank_envs(tmp_path, 4)
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"] == [e["NODE_RANK"] for e in envs]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    # Each node has its own interface; every rank reaches the master at node 0's address.
+    assert envs[0]["GLOO_SOCKET_IFNAME"] == envs[1]["GLOO_SOCKET_IFNAME"] != envs[2]["GLOO_SOCKET_IFNAME"]
+    assert len({e["MASTER_ADDR"] for e in envs}) == 1 and envs[0]["MASTER_ADDR"].endswith(".1")
+    assert {e["SYNCASYNC_JITTER"] for e in envs} == {"0.1:4"} and {e["SYNCASYNC_STRAGGLER_SEED"] for e in envs} == {"7"}
+    # Each rank sits in its own CPU cgroup; the straggler's quota is half the others'.
+    report = json.loads((tmp_path / "emulation.json").read_text())
+    assert report["cpu_mode"] == "cgroup" and report["exit_codes"] == [0, 0, 0, 0]
+    shares = report["cores_per_rank"]
+    assert shares[3] == pytest.approx(shares[0] / 2) and sum(shares) <= os.cpu_count()
+    assert len({tuple(e["cgroup"]) for e in envs}) == 4
+    assert _leftovers() == (before_ns, before_cg)
+
+
+def _allreduce_seconds(rank: int, world: int, nbytes: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(nbytes // 4)
+    dist.all_reduce(t)  # connect
+    start = time.perf_counter()
+    dist.all_reduce(t)
+    seconds = time.perf_counter() - start
+    dist.destroy_process_group()
+    return seconds
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_inter_node_link_is_rate_limited(tmp_path):
+    # 2 nodes x 1 rank at 16 Mbit/s (2 MB/s): a 2 MB all-reduce moves >= 1 MB each way, so >= 0.5 s by physics.
+    here = str(Path(__file__).parent)
+    script = (
+        f"import os, sys; sys.path.insert(0, {here!r}); from test_emulate import _allreduce_seconds; "
+        "print('SECONDS', _allreduce_seconds(int(os.environ['RANK']), 2, 2_000_000))"
+    )
+    cluster = EmulatedCluster(nodes=2, procs_per_node=1, link_mbit=16, log_dir=tmp_path, echo_rank0=False)
+    report = cluster.run([sys.executable, "-c", script], timeout_s=100)
+    assert report.exit_codes == [0, 0]
+    seconds = [float(ln.split()[1]) for r in range(2) for ln in (tmp_path / f"rank{r}.log").read_text().splitlines()
+               if ln.startswith("SECONDS")]  # fmt: skip
+    assert min(seconds) >= 0.4, seconds
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_a_failing_rank_stops_the_others_and_cleans_up(tmp_path):
+    before = _leftovers()
+    script = (
+        "import os, sys, time; r = int(os.environ['RANK']); time.sleep(0.5); sys.exit(3) if r == 1 else time.sleep(300)"
+    )
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*EMULATE, "--nodes", "2", "--procs-per-node", "2", "--grace", "1", "--log-dir", str(tmp_path), "--",
+         sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 3
+    assert time.monotonic() - start < 60
+    assert "rank 1 exited with 3" in proc.stderr
+    report = json.loads((tmp_path / "emulation.json").read_text())
+    assert report["failed_rank"] == 1 and report["exit_codes"][1] == 3
+    assert _leftovers() == before
+    assert subprocess.run(["pgrep", "-f", "time.sleep\\(300\\)"], capture_output=True).returncode == 1
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_ctrl_c_kills_every_rank_and_cleans_up(tmp_path):
+    before = _leftovers()
+    proc = subprocess.Popen(
+        [*EMULATE, "--nodes", "2", "--procs-per-node", "1", "--link-mbit", "100", "--log-dir", str(tmp_path), "--",
+         sys.executable, "-c", "import time; print('up', flush=True); time.sleep(301)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "up"  # rank 0 is running, so the namespaces exist
+    assert _leftovers() != before
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert _leftovers() == before
+    assert subprocess.run(["pgrep", "-f", "time.sleep\\(301\\)"], capture_output=True).returncode == 1
+
+
+@pytest.mark.timeout(60)
+def test_no_netns_mode_uses_loopback(tmp_path):
+    cluster = EmulatedCluster(nodes=2, procs_per_node=1, netns=False, cgroups=False, log_dir=tmp_path,
+                              echo_rank0=False)  # fmt: skip
+    report = cluster.run([sys.executable, "-c", SHOW_ENV], timeout_s=50)
+    assert report.exit_codes == [0, 0] and report.cpu_mode == "sleep"
+    envs = _rank_envs(tmp_path, 2)
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and {e["GLOO_SOCKET_IFNAME"] for e in envs} == {None}
+
+
+def test_independent_mode_gives_every_rank_a_world_of_one(tmp_path):
+    cluster = EmulatedCluster(nodes=2, procs_per_node=2, netns=False, cgroups=False, independent=True,
+                              schedule="3:2@0.3-0.6", log_dir=tmp_path, echo_rank0=False)  # fmt: skip
+    env3 = cluster.rank_env(3, port=1234)
+    assert (env3["WORLD_SIZE"], env3["RANK"], env3["SYNCASYNC_SLOWDOWN_SCHEDULE"]) == ("1", "0", "0:2.0@0.3-0.6")
+    assert "SYNCASYNC_SLOWDOWN_SCHEDULE" in cluster.rank_env(0, 1234) and cluster.rank_env(0, 1234)[
+        "SYNCASYNC_SLOWDOWN_SCHEDULE"] == ""  # fmt: skip
+
+
+def test_without_root_the_error_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(network_mod.os, "geteuid", lambda: 1000)
+    with pytest.raises(EmulationUnavailable, match="--no-netns"):
+        EmulatedNetwork(num_nodes=2).setup()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--straggler", "4:1.5"], "outside the world"),
+        (["--straggler", "1:0.5"], "factor must be >= 1"),
+        (["--straggler", "x"], "RANK:FACTOR"),
+        (["--jitter", "2:4"], "jitter probability"),
+        (["--straggler-schedule", "1:2@0.7-0.2"], "START-END"),
+        (["--cpu-budget", "1000"], "--cpu-budget"),
+        (["--no-netns", "--link-mbit", "100"], "--link-mbit needs network namespaces"),
+        ([], "no training command"),
+    ],
+)
+def test_bad_input_is_rejected_before_anything_starts(args, message):
+    tail = [] if not args or args == [] else ["--", "true"]
+    proc = subprocess.run([*EMULATE, "--nodes", "2", "--procs-per-node", "2", *args, *tail],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
