@@ -30,7 +30,9 @@ class MeasuredAllReduce:
 
     Args:
         recorder: where the measurements go.
-        scope: ``"inter"`` when the DDP process group spans nodes, ``"intra"`` otherwise.
+        scope: ``"inter"`` when the DDP process group spans nodes, ``"intra"`` otherwise; or a function called per
+            bucket that returns the scope of the collective ``inner_hook`` is about to issue, or ``None`` when it
+            issues none (e.g. post-local SGD switching from the global group to the node group after warm-up).
         process_group: the group DDP reduces over (``None``: the default group).
         inner_hook: the hook doing the actual communication, ``allreduce_hook`` by default. It is called as
             ``inner_hook(inner_state, bucket)``.
@@ -45,17 +47,17 @@ class MeasuredAllReduce:
     def __init__(
         self,
         recorder: StatsRecorder,
-        scope: Scope = "intra",
+        scope: Scope | Callable[[], Scope | None] = "intra",
         process_group: dist.ProcessGroup | None = None,
         inner_hook: HookFn | None = None,
         inner_state: Any = None,
     ) -> None:
         if not isinstance(recorder, StatsRecorder):
             raise TypeError(f"recorder must be a StatsRecorder, got {type(recorder).__name__}")
-        if scope not in ("intra", "inter"):
-            raise ValueError(f"scope must be 'intra' or 'inter', got {scope!r}")
+        if not callable(scope) and scope not in ("intra", "inter"):
+            raise ValueError(f"scope must be 'intra', 'inter' or a function returning one, got {scope!r}")
         self.recorder = recorder
-        self.scope: Scope = scope
+        self.scope = scope
         self.process_group = process_group
         self.inner_hook: HookFn = inner_hook if inner_hook is not None else allreduce_hook
         self.inner_state = inner_state if inner_state is not None else process_group
@@ -67,7 +69,10 @@ class MeasuredAllReduce:
     @staticmethod
     def hook(state: "MeasuredAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        state.recorder.record_launch(buffer.numel() * buffer.element_size(), state.scope, at=time.perf_counter())
+        scope = state.scope() if callable(state.scope) else state.scope
+        if scope is None:
+            return state.inner_hook(state.inner_state, bucket)
+        state.recorder.record_launch(buffer.numel() * buffer.element_size(), scope, at=time.perf_counter())
         fut = state.inner_hook(state.inner_state, bucket)
 
         def _done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -112,6 +112,16 @@ class StatsRecorder:
         self.history: deque[StepStats] = deque(maxlen=history)
         self.total_bytes = {"intra": 0, "inter": 0}
 
+    def __getstate__(self) -> dict:
+        # Strategies are pickled to spawned processes; a lock cannot travel, a fresh one is made on arrival.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def last(self) -> StepStats | None:
         """The most recent closed step, or ``None`` before the first."""

@@ -110,3 +110,17 @@ def test_bad_constructor_arguments():
         StatsRecorder(history=0)
     with pytest.raises(ValueError, match="mode"):
         StatsRecorder(mode="")
+
+
+def test_pickles_for_spawn():
+    import pickle
+
+    rec = StatsRecorder(mode="hier")
+    rec.begin_step()
+    rec.record_blocking(4, "inter", 0.0)
+    rec.end_step(0, 1)
+    clone = pickle.loads(pickle.dumps(rec))
+    assert clone.mode == "hier" and clone.last == rec.last
+    clone.begin_step()
+    clone.record_launch(8, "intra")
+    assert clone.end_step(1, 1).bytes_intra == 8
