@@ -150,7 +150,7 @@ def _schemas() -> dict[str, type]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_syncasync.callbacks import SyncMonitor
+    from lightning_syncasync.callbacks import StragglerEmulator, SyncMonitor
     from lightning_syncasync.demo import (
         Classifier,
         DigitsDataModule,
@@ -158,6 +158,7 @@ def _schemas() -> dict[str, type]:
         TextDataModule,
         TransformerLM,
     )
+    from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
     # DDPStrategy forwards **kwargs to torch's DistributedDataParallel; these are the ones users tune.
     ddp_kwargs: dict[str, tuple[Any, Any]] = {
@@ -169,12 +170,18 @@ def _schemas() -> dict[str, type]:
     return {
         "trainer/trainer": _trainer_conf(),
         "strategy/ddp": builds(DDPStrategy, exclude=("accelerator", "parallel_devices"), extra=ddp_kwargs),
+        # MeasuredDDPStrategy forwards **kwargs to DDPStrategy: expose the same DDP settings.
+        "strategy/measured_ddp": builds(
+            MeasuredDDPStrategy,
+            extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
+        ),
         "model/classifier": builds(Classifier),
         "model/transformer_lm": builds(TransformerLM),
         "data/digits": builds(DigitsDataModule),
         "data/text": builds(TextDataModule),
         "data/synthetic": builds(SyntheticDataModule),
         "callbacks/sync_monitor": builds(SyncMonitor),
+        "callbacks/straggler_emulator": builds(StragglerEmulator),
         "callbacks/model_checkpoint": builds(ModelCheckpoint),
         "callbacks/early_stopping": builds(EarlyStopping),
         "callbacks/rich_progress_bar": builds(RichProgressBar),

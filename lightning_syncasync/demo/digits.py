@@ -31,7 +31,14 @@ class DigitsDataModule(LightningDataModule):
 
     num_classes: int = 10
 
-    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        val_fraction: float = 0.2,
+        num_workers: int = 0,
+        seed: int = 0,
+        resize: int | None = None,
+    ) -> None:
         """Validate and store the configuration; no data is loaded here.
 
         Args:
@@ -39,6 +46,8 @@ class DigitsDataModule(LightningDataModule):
             val_fraction: Fraction of the 1,797 images held out for validation, in ``(0, 1)``.
             num_workers: ``DataLoader`` worker processes; 0 loads in the main process.
             seed: Seed of the train/validation split.
+            resize: If set, images are upsampled (bilinear) to ``resize x resize``: the same real task with more
+                compute per sample, for compute-heavy workloads (a convnet at 16x16 does 4x the work of 8x8).
 
         Raises:
             ValueError: If any argument is out of range.
@@ -56,6 +65,9 @@ class DigitsDataModule(LightningDataModule):
             )
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}; set data.seed to an integer such as 0")
+        if resize is not None and (not isinstance(resize, int) or resize < 8):
+            raise ValueError(f"resize must be an integer >= 8 (or None), got {resize!r}; set data.resize to e.g. 16")
+        self.resize = resize
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.num_workers = num_workers
@@ -67,8 +79,9 @@ class DigitsDataModule(LightningDataModule):
 
     @property
     def input_shape(self) -> list[int]:
-        """Shape of a single input image, ``[1, 8, 8]`` (a fresh list, so callers may mutate it)."""
-        return [1, 8, 8]
+        """Shape of a single input image, ``[1, 8, 8]`` or ``[1, resize, resize]`` (a fresh list)."""
+        side = self.resize or 8
+        return [1, side, side]
 
     def setup(self, stage: str | None = None) -> None:
         """Load the digits and build the seeded, stratified split (idempotent).
@@ -84,6 +97,10 @@ class DigitsDataModule(LightningDataModule):
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        if self.resize:
+            images = torch.nn.functional.interpolate(
+                images, size=(self.resize, self.resize), mode="bilinear", align_corners=False
+            )
         labels = torch.tensor(digits.target, dtype=torch.int64)
         train_idx, val_idx = train_test_split(
             list(range(len(labels))), test_size=self.val_fraction, random_state=self.seed, stratify=digits.target

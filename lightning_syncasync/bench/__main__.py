@@ -1,0 +1,70 @@
+"""``syncasync-bench``: measure strategies side by side on an emulated cluster.
+
+syncasync-bench --scenario slow_link --strategies ddp --quick --out bench_out
+syncasync-bench --scenario straggler --strategies baselines --repeats 3 --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from lightning_syncasync.bench.report import merge_results, write_plots, write_report
+from lightning_syncasync.bench.runner import BenchRunner, available_contenders, resolve_contenders
+from lightning_syncasync.bench.scenarios import SCENARIOS
+from lightning_syncasync.emulate.network import EmulationUnavailable, check_netns_support
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="syncasync-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", required=True, help=f"comma-separated, from {sorted(SCENARIOS)}")
+    p.add_argument("--strategies", default="ddp", help="comma-separated contenders, or 'baselines'")
+    p.add_argument("--out", default="bench_out", help="output folder (results accumulate across invocations)")
+    p.add_argument("--quick", action="store_true", help="short budgets: a scenario in minutes on 2 cores")
+    p.add_argument("--repeats", type=int, default=1, help="measurements per contender (medians are reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-netns", action="store_true", help="loopback only: no link limits (no root needed)")
+    p.add_argument("--list", action="store_true", help="list scenarios and contenders and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[syncasync-bench] %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--list" in argv:
+        for s in SCENARIOS.values():
+            print(f"scenario {s.name}: {s.description}")
+        print("contenders:", ", ".join(available_contenders()), "(or 'baselines')")
+        return 0
+    args = build_parser().parse_args(argv)
+    try:
+        names = [s.strip() for s in args.scenario.split(",") if s.strip()]
+        unknown = [n for n in names if n not in SCENARIOS]
+        if unknown or not names:
+            raise ValueError(f"unknown --scenario {unknown or names}; HINT: choose from {sorted(SCENARIOS)}")
+        contenders = resolve_contenders(args.strategies)
+        netns = not args.no_netns
+        if netns and any(SCENARIOS[n].netns for n in names):
+            check_netns_support()
+        runner = BenchRunner(args.out, quick=args.quick, repeats=args.repeats, seed=args.seed, netns=netns)
+    except (ValueError, EmulationUnavailable) as err:
+        print(f"syncasync-bench: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "syncasync-bench " + shlex.join(argv)
+    records = []
+    for name in names:
+        records = merge_results(out, runner.run(SCENARIOS[name], contenders))
+    report = write_report(out, records, command)
+    write_plots(out, records)
+    logging.info("report: %s", report)
+    print(report.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

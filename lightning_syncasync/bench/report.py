@@ -1,0 +1,199 @@
+"""``results.json``, ``report.md`` and the two plots of a benchmark folder.
+
+Records accumulate in ``results.json`` across invocations (a new run of a (scenario, strategy) replaces the old
+one), so running the scenarios one by one into the same folder builds one report over all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lightning_syncasync.bench.runner import median_or_none
+from lightning_syncasync.bench.scenarios import SCENARIOS
+
+
+def merge_results(out_dir: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    path = out_dir / "results.json"
+    old = json.loads(path.read_text()) if path.exists() else []
+    fresh = {(r["scenario"], r["strategy"]) for r in records}
+    merged = [r for r in old if (r["scenario"], r["strategy"]) not in fresh] + records
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(merged, indent=1, default=str))
+    os.replace(tmp, path)  # a crash mid-write never leaves a half-written results.json
+    return merged
+
+
+def _fmt(v: float | None, spec: str = ".1f", none: str = "n/a") -> str:
+    return none if v is None else format(v, spec)
+
+
+def _spread(values: list[float | None], spec: str) -> str:
+    present = [v for v in values if v is not None]
+    if len(present) < 2:
+        return ""
+    return f" [{min(present):{spec}}-{max(present):{spec}}]"
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{scenario: {strategy: medians and spreads}}``."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for rec in records:
+        out.setdefault(rec["scenario"], {}).setdefault(rec["strategy"], {"runs": []})["runs"].append(rec)
+    for by_strategy in out.values():
+        for s in by_strategy.values():
+            runs = s["runs"]
+            for key in ("samples_per_s", "ideal_samples_per_s", "efficiency", "time_to_target_s", "final_val_metric",
+                        "inter_node_bytes_per_step", "wait_frac"):  # fmt: skip
+                s[key] = median_or_none([r.get(key) for r in runs])
+                s[key + "_all"] = [r.get(key) for r in runs]
+            s["reached"] = sum(r.get("time_to_target_s") is not None for r in runs)
+            s["failed"] = sum("error" in r for r in runs)
+            per_rank = [r["ideal_per_rank_samples_per_s"] for r in runs if r.get("ideal_per_rank_samples_per_s")]
+            # The best a synchronous run can do: every rank at the pace of the slowest one.
+            s["ideal_sync_efficiency"] = (
+                statistics.median(len(p) * min(p) / sum(p) for p in per_rank) if per_rank else None
+            )
+    return out
+
+
+def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> Path:
+    table = summarise(records)
+    lines = [
+        "# syncasync-bench report",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {os.cpu_count()} cores. Every figure below was measured in the runs listed in `results.json`; "
+        "timings are medians over repeats with [min-max] when there is more than one. `efficiency` is the "
+        "contender's samples/s over the *ideal*: the same ranks, CPU shares and stragglers with communication "
+        "switched off (each rank trains alone), measured in the same invocation.",
+        "",
+    ]
+    for name, by_strategy in table.items():
+        sc = SCENARIOS.get(name)
+        any_run = next(iter(by_strategy.values()))["runs"][0]
+        quick = any_run.get("quick")
+        lines += [f"## {name}{' (quick)' if quick else ''}", ""]
+        if sc is not None:
+            lines += [
+                f"{sc.description}. Budget: {any_run.get('steps')} steps per rank. Target: "
+                f"{sc.metric} {'>=' if sc.mode == 'max' else '<='} {any_run.get('target')}.",
+                "",
+            ]
+            if sc.mirrors:
+                lines += [f"Compute-to-communication ratio mirrors {sc.mirrors}.", ""]
+            emu = any_run.get("emulation") or {}
+            lines += [f"Emulation: CPU {emu.get('cpu_mode')} shares {emu.get('cores_per_rank')}, "
+                      f"netns={emu.get('netns')}.", ""]  # fmt: skip
+        lines += [
+            "| strategy | samples/s | ideal samples/s | efficiency | time to target (s) | final "
+            f"{any_run.get('val_metric_name')} | inter-node KB/step | wait % | reached |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for strategy, s in by_strategy.items():
+            eff = s["efficiency"]
+            lines.append(
+                f"| {strategy} | {_fmt(s['samples_per_s'])}{_spread(s['samples_per_s_all'], '.0f')} "
+                f"| {_fmt(s['ideal_samples_per_s'])} "
+                f"| {_fmt(None if eff is None else 100 * eff, '.1f')}% "
+                f"| {_fmt(s['time_to_target_s'])}{_spread(s['time_to_target_s_all'], '.1f')} "
+                f"| {_fmt(s['final_val_metric'], '.4f')} "
+                f"| {_fmt(None if s['inter_node_bytes_per_step'] is None else s['inter_node_bytes_per_step'] / 1024)} "
+                f"| {_fmt(None if s['wait_frac'] is None else 100 * s['wait_frac'])} "
+                f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
+            )
+        lines += [""] + _answers(name, by_strategy, table) + [""]
+    lines += ["![throughput](throughput.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _answers(name: str, by_strategy: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:
+    """The design brief's questions, answered with this folder's numbers."""
+    out: list[str] = []
+    ddp = by_strategy.get("ddp")
+    if ddp and ddp["efficiency"] is not None:
+        eff = 100 * ddp["efficiency"]
+        sync_bound = ddp["ideal_sync_efficiency"]
+        if name == "straggler":
+            out.append(
+                f"- One worker 1.5x slower costs synchronous training {100 - eff:.0f}% of the cluster's "
+                f"no-communication throughput: DDP runs at {eff:.1f}% of it. Even a perfect synchronous run "
+                f"(everyone at the slowest rank's pace, no communication) reaches only "
+                f"{_fmt(None if sync_bound is None else 100 * sync_bound)}%."
+            )
+        elif name == "jitter":
+            out.append(f"- Transient pauses (p=0.1, 4x) cost DDP {100 - eff:.0f}%: it runs at {eff:.1f}% of the limit.")
+        elif name == "mid_run_straggler":
+            out.append(f"- A straggler for the middle third of training: DDP at {eff:.1f}% of the limit overall.")
+        elif name == "slow_link":
+            homo = table.get("homogeneous", {}).get("ddp")
+            extra = (
+                f" (on the unlimited network, `homogeneous`: {100 * homo['efficiency']:.1f}%)"
+                if homo and homo["efficiency"] is not None
+                else ""
+            )
+            out.append(
+                f"- With 100 Mbit/s between nodes DDP runs at {eff:.1f}% of the no-communication limit{extra}, "
+                f"waiting on the network {_fmt(None if ddp['wait_frac'] is None else 100 * ddp['wait_frac'])}% "
+                "of each step."
+            )
+        else:
+            out.append(f"- DDP runs at {eff:.1f}% of the no-communication limit.")
+        ttt = ddp["time_to_target_s"]
+        for strategy, s in by_strategy.items():
+            if strategy != "ddp" and ttt and s["time_to_target_s"]:
+                out.append(f"- {strategy} reaches the target {ttt / s['time_to_target_s']:.2f}x as fast as DDP.")
+    return out
+
+
+def write_plots(out_dir: Path, records: list[dict[str, Any]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = summarise(records)
+    scenarios = list(table)
+    strategies = list(dict.fromkeys(s for by in table.values() for s in by))
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(scenarios) + 2), 4))
+    width = 0.8 / max(len(strategies), 1)
+    for i, strategy in enumerate(strategies):
+        values = [100 * (table[sc].get(strategy, {}).get("efficiency") or 0) for sc in scenarios]
+        xs = [j + i * width for j in range(len(scenarios))]
+        ax.bar(xs, values, width=width, label=strategy)
+    ax.axhline(100, color="black", lw=1, ls="--", label="no-communication limit")
+    ax.set_xticks([j + width * (len(strategies) - 1) / 2 for j in range(len(scenarios))], scenarios)
+    ax.set_ylabel("throughput, % of the measured limit")
+    ax.set_title("Throughput by strategy and scenario")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    throughput = out_dir / "throughput.png"
+    fig.savefig(throughput, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios, strict=True):
+        for strategy, s in table[sc].items():
+            run = next((r for r in s["runs"] if r.get("val_history")), None)
+            if run is None:
+                continue
+            pts = [(h["elapsed_s"], h["value"]) for h in run["val_history"] if h["value"] is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker=".", label=strategy)
+        first = s["runs"][0]
+        ax.axhline(first.get("target"), color="gray", ls=":", label="target")
+        ax.set_title(sc)
+        ax.set_xlabel("wall-clock seconds since fit start")
+        ax.set_ylabel(first.get("val_metric_name") or "metric")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    accuracy = out_dir / "accuracy_vs_time.png"
+    fig.savefig(accuracy, dpi=110)
+    plt.close(fig)
+    return [throughput, accuracy]

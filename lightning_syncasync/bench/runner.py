@@ -1,0 +1,259 @@
+"""Run contenders side by side on one scenario, interleaved, each inside ``syncasync-emulate``'s cluster.
+
+For every repeat the contenders run one after another in a rotated order (so slow drift of the machine does not
+favour whoever runs first), and the *ideal* run is one of them: the same ranks, CPU shares, stragglers and jitter,
+but every rank trains alone (``--independent``: a world of one, no communication at all). Its summed throughput is
+the physical limit the contenders are measured against, in the same invocation.
+
+Every run is the real ``syncasync-train`` app with the scenario's and the contender's Hydra overrides; the figures
+come from its ``results.json`` (``SyncMonitor``'s summary and validation history).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from lightning_syncasync.bench.scenarios import Scenario
+from lightning_syncasync.emulate.cluster import EmulatedCluster
+
+log = logging.getLogger(__name__)
+
+IDEAL = "ideal"
+CONTENDER_DIR = Path(__file__).resolve().parent.parent / "conf" / "bench" / "contender"
+BASELINES = ("ddp", "ddp_post_local_sgd", "ddp_hier_averager")
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named set of ``syncasync-train`` overrides (a file in ``conf/bench/contender/`` or a strategy name)."""
+
+    name: str
+    overrides: tuple[str, ...]
+    description: str = ""
+
+
+def available_contenders() -> list[str]:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_syncasync  # noqa: F401  (registers our strategy names)
+
+    files = sorted(p.stem for p in CONTENDER_DIR.glob("*.yaml"))
+    ours = [e.name for e in __import__("lightning_syncasync").strategies.STRATEGIES]
+    return files + [n for n in ours if n not in files and n in StrategyRegistry]
+
+
+def resolve_contenders(spec: str) -> list[Contender]:
+    """``"ddp,hier_sync"`` or ``"baselines"`` -> contenders, with a clear error for unknown names."""
+    names: list[str] = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        names.extend(BASELINES if item == "baselines" else [item])
+    if not names:
+        raise ValueError("--strategies is empty; HINT: --strategies ddp or --strategies baselines")
+    out = []
+    for name in dict.fromkeys(names):
+        path = CONTENDER_DIR / f"{name}.yaml"
+        if path.exists():
+            cfg = OmegaConf.load(path)
+            out.append(Contender(name, tuple(cfg.overrides), str(cfg.get("description", ""))))
+        elif name in available_contenders():
+            # A registered strategy name is a contender of itself: its constructor defaults, nothing tuned.
+            out.append(Contender(name, ("~strategy", f"trainer.strategy={name}"), f"registered strategy {name!r}"))
+        else:
+            raise ValueError(
+                f"unknown contender {name!r}; HINT: choose from {available_contenders()} or 'baselines', "
+                f"or add {CONTENDER_DIR}/{name}.yaml"
+            )
+    return out
+
+
+class BenchRunner:
+    """Runs a scenario's contenders and the ideal, interleaved, and returns one record per (contender, repeat).
+
+    Args:
+        out_dir: where runs, ``results.json``, the report and the plots go.
+        quick: the scenario's short budget (minutes on a 2-core machine).
+        repeats: measurements per contender; timings are reported as medians with their spread.
+        seed: training seed (the same for every contender) and jitter seed.
+        netns: use network namespaces when the scenario asks for them (``False``: loopback, no link limit).
+        run_timeout_s: bound on a single run.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        quick: bool = False,
+        repeats: int = 1,
+        seed: int = 0,
+        netns: bool = True,
+        run_timeout_s: float = 1800.0,
+    ) -> None:
+        if repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        self.out_dir = Path(out_dir)
+        self.quick = quick
+        self.repeats = repeats
+        self.seed = seed
+        self.netns = netns
+        self.run_timeout_s = run_timeout_s
+
+    def run(self, scenario: Scenario, contenders: list[Contender]) -> list[dict[str, Any]]:
+        items: list[Contender | None] = [None, *contenders]  # None: the ideal run
+        records: list[dict[str, Any]] = []
+        for rep in range(self.repeats):
+            k = rep % len(items)
+            order = items[k:] + items[:k]
+            ideal: dict[str, Any] | None = None
+            rep_records = []
+            for item in order:
+                if item is None:
+                    ideal = self._run_ideal(scenario, rep)
+                else:
+                    rep_records.append(self._run_contender(scenario, item, rep))
+            assert ideal is not None
+            for rec in rep_records:
+                rec["ideal_samples_per_s"] = ideal["samples_per_s"]
+                rec["ideal_per_rank_samples_per_s"] = ideal["per_rank"]
+                rec["efficiency"] = (
+                    rec["samples_per_s"] / ideal["samples_per_s"]
+                    if rec["samples_per_s"] is not None and ideal["samples_per_s"]
+                    else None
+                )
+            records.extend(rep_records)
+        return records
+
+    # -- one run ---------------------------------------------------------------------------------------------
+
+    def _steps(self, scenario: Scenario) -> int:
+        return scenario.quick_steps if self.quick else scenario.steps
+
+    def _base_overrides(self, scenario: Scenario) -> list[str]:
+        return [
+            *scenario.overrides,
+            f"trainer.max_steps={self._steps(scenario)}",
+            "trainer.max_epochs=-1",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "callbacks.model_checkpoint=null",
+            f"seed={self.seed}",
+            f"optimized_metric={scenario.metric}",
+        ]
+
+    def _cluster(self, scenario: Scenario, log_dir: Path, independent: bool) -> EmulatedCluster:
+        netns = self.netns and scenario.netns
+        return EmulatedCluster(
+            nodes=scenario.nodes,
+            procs_per_node=scenario.procs_per_node,
+            link_mbit=scenario.link_mbit if netns else None,
+            stragglers=scenario.stragglers,
+            jitter=scenario.jitter,
+            schedule=scenario.schedule,
+            seed=self.seed,
+            netns=netns,
+            independent=independent,
+            log_dir=log_dir,
+            echo_rank0=False,
+        )
+
+    def _train_cmd(self, overrides: list[str]) -> list[str]:
+        return [sys.executable, "-m", "lightning_syncasync.train", *overrides]
+
+    def _run_contender(self, scenario: Scenario, contender: Contender, rep: int) -> dict[str, Any]:
+        run_dir = self.out_dir / scenario.name / contender.name / f"rep{rep}"
+        overrides = [
+            *self._base_overrides(scenario),
+            *contender.overrides,
+            f"trainer.num_nodes={scenario.nodes}",
+            f"trainer.devices={scenario.procs_per_node}",
+            f"hydra.run.dir={run_dir}",
+        ]
+        log.info("[%s] %s rep %d", scenario.name, contender.name, rep)
+        start = time.monotonic()
+        report = self._cluster(scenario, run_dir / "logs", independent=False).run(
+            self._train_cmd(overrides), timeout_s=self.run_timeout_s
+        )
+        wall = time.monotonic() - start
+        record: dict[str, Any] = {
+            "scenario": scenario.name,
+            "strategy": contender.name,
+            "repeat": rep,
+            "quick": self.quick,
+            "target": scenario.quick_target if self.quick else scenario.target,
+            "val_metric_name": scenario.metric,
+            "steps": self._steps(scenario),
+            "run_dir": str(run_dir),
+            "emulation": {
+                "cpu_mode": report.cpu_mode,
+                "cores_per_rank": report.cores_per_rank,
+                "netns": report.netns,
+                "exit_codes": report.exit_codes,
+            },  # fmt: skip
+            "wall_s": wall,
+            "samples_per_s": None,
+            "time_to_target_s": None,
+            "final_val_metric": None,
+            "inter_node_bytes_per_step": None,
+            "config": None,
+        }
+        results_file = run_dir / "results.json"
+        if any(report.exit_codes) or not results_file.exists():
+            record["error"] = f"run failed (exit codes {report.exit_codes}); logs in {run_dir / 'logs'}"
+            log.error("[%s] %s rep %d failed: %s", scenario.name, contender.name, rep, record["error"])
+            return record
+        results = json.loads(results_file.read_text())
+        summary = results["sync_summary"]
+        history = summary.get("val_history", [])
+        record.update(
+            samples_per_s=summary["global_samples_per_s"],
+            per_rank_samples_per_s=[r["samples_per_s"] for r in summary["ranks"]],
+            inter_node_bytes_per_step=summary["bytes_inter_per_step"],
+            intra_node_bytes_per_step=summary["bytes_intra_per_step"],
+            wait_frac=summary["wait_frac"],
+            fit_wall_s=summary.get("fit_wall_s"),
+            val_history=[
+                {"elapsed_s": h["elapsed_s"], "step": h["step"], "value": h["metrics"].get(scenario.metric)}
+                for h in history
+            ],  # fmt: skip
+            final_val_metric=history[-1]["metrics"].get(scenario.metric) if history else None,
+            config=results["config"],
+        )
+        for h in record["val_history"]:
+            if h["value"] is not None and scenario.reached(h["value"], self.quick):
+                record["time_to_target_s"] = h["elapsed_s"]
+                break
+        return record
+
+    def _run_ideal(self, scenario: Scenario, rep: int) -> dict[str, Any]:
+        run_dir = self.out_dir / scenario.name / IDEAL / f"rep{rep}"
+        overrides = [
+            *self._base_overrides(scenario),
+            "~strategy",
+            "trainer.num_nodes=1",
+            "trainer.devices=1",
+            "trainer.limit_val_batches=0",  # throughput only: validation is not part of the limit
+            f"hydra.run.dir={run_dir}/rank{{rank}}",
+        ]
+        log.info("[%s] ideal (no communication) rep %d", scenario.name, rep)
+        report = self._cluster(scenario, run_dir / "logs", independent=True).run(
+            self._train_cmd(overrides), timeout_s=self.run_timeout_s
+        )
+        per_rank = []
+        for r in range(scenario.world_size):
+            path = run_dir / f"rank{r}" / "results.json"
+            if report.exit_codes[r] != 0 or not path.exists():
+                raise RuntimeError(f"the ideal run failed on rank {r} (exit {report.exit_codes[r]}); see {run_dir}")
+            per_rank.append(json.loads(path.read_text())["sync_summary"]["global_samples_per_s"])
+        return {"samples_per_s": sum(per_rank), "per_rank": per_rank}
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

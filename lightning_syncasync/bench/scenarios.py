@@ -1,0 +1,132 @@
+"""The benchmark scenarios: cluster shape, workload, sample budget and target, fixed per scenario.
+
+Each scenario pins everything a comparison depends on, so two strategies are only ever compared on the same
+cluster, the same data and the same number of samples. Targets are validation-metric thresholds that Lightning's
+``ddp`` reaches within the budget (chosen once from measured ``ddp`` runs and kept fixed, not tuned per contender).
+
+Workloads and what they mirror:
+
+* ``slow_link`` / ``homogeneous``: the transformer LM demo (3.2 M parameters, 12.7 MB of fp32 gradients per step)
+  on 2 nodes x 2 ranks of 0.45 cores each. At 100 Mbit/s a flat all-reduce takes a few times the step's compute:
+  the ratio of a GPU cluster training a few-hundred-million-parameter model over 10 GbE.
+* ``straggler`` / ``jitter`` / ``mid_run_straggler``: a small convnet (75 k parameters) on the digits upsampled to
+  16x16, batch 128 per rank: much compute per byte, so without stragglers DDP runs near the no-communication limit,
+  as data-parallel convnets do on a fast network; what remains is the cost of waiting for the slowest rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A benchmark scenario (see the module docstring).
+
+    Attributes:
+        name: CLI value of ``--scenario``.
+        description: one line for the report.
+        nodes, procs_per_node: the emulated cluster.
+        link_mbit: inter-node link rate, ``None`` for no limit.
+        stragglers: ``{rank: factor}`` persistent slowdowns (CPU shares).
+        jitter: ``"PROB:FACTOR"`` transient pauses.
+        schedule: ``"RANK:FACTOR@START-END"`` windowed slowdowns.
+        overrides: Hydra overrides of ``syncasync-train`` that fix the workload.
+        steps, quick_steps: optimizer steps per rank (the sample budget is steps x global batch).
+        metric, target, mode: the validation metric, its threshold and whether higher (``max``) is better.
+        netns: needs network namespaces (root); the smoke scenario runs on plain loopback.
+        mirrors: what compute-to-communication ratio the scenario resembles.
+    """
+
+    name: str
+    description: str
+    nodes: int
+    procs_per_node: int
+    overrides: tuple[str, ...]
+    steps: int
+    quick_steps: int
+    target: float
+    quick_target: float
+    metric: str = "val_acc"
+    mode: str = "max"
+    link_mbit: float | None = None
+    stragglers: dict[int, float] = field(default_factory=dict)
+    jitter: str = ""
+    schedule: str = ""
+    netns: bool = True
+    mirrors: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def reached(self, value: float, quick: bool) -> bool:
+        target = self.quick_target if quick else self.target
+        return value >= target if self.mode == "max" else value <= target
+
+
+_LM = (
+    "data=text",
+    "model=transformer_lm",
+    "data.batch_size=16",
+    "data.seq_len=64",
+    "model.lr=0.002",
+    "trainer.val_check_interval=5",
+    "trainer.limit_val_batches=4",
+)
+_CONVNET = (
+    "data=digits",
+    "data.resize=16",
+    "data.batch_size=128",
+    "model=convnet",
+    "model.input_shape=[1,16,16]",
+    "model.channels=64",
+    "model.depth=3",
+    "model.lr=0.003",
+    "trainer.check_val_every_n_epoch=2",
+)
+_LM_MIRRORS = "a GPU cluster training a few-hundred-million-parameter model over 10 GbE (communication > compute)"
+_CONV_MIRRORS = "data-parallel convnet training on a fast network (compute >> communication)"
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="homogeneous",
+            description="2 nodes x 2 ranks, no link limit, no stragglers (overhead check)",
+            nodes=2, procs_per_node=2, overrides=_LM, steps=150, quick_steps=40, target=0.30, quick_target=0.26,
+            mirrors=_LM_MIRRORS,
+        ),
+        Scenario(
+            name="slow_link",
+            description="2 nodes x 2 ranks, 100 Mbit/s between nodes, transformer LM",
+            nodes=2, procs_per_node=2, link_mbit=100.0, overrides=_LM, steps=150, quick_steps=40, target=0.30,
+            quick_target=0.26, mirrors=_LM_MIRRORS,
+        ),
+        Scenario(
+            name="straggler",
+            description="4 ranks on one node, rank 3 persistently 1.5x slower (CPU share / 1.5)",
+            nodes=1, procs_per_node=4, stragglers={3: 1.5}, overrides=_CONVNET, steps=180, quick_steps=60,
+            target=0.93, quick_target=0.85, mirrors=_CONV_MIRRORS,
+        ),
+        Scenario(
+            name="jitter",
+            description="4 ranks on one node, each step each rank pauses 4x its compute time with p=0.1",
+            nodes=1, procs_per_node=4, jitter="0.1:4", overrides=_CONVNET, steps=180, quick_steps=60, target=0.93,
+            quick_target=0.85, mirrors=_CONV_MIRRORS,
+        ),
+        Scenario(
+            name="mid_run_straggler",
+            description="4 ranks on one node, rank 3 2x slower from 1/3 to 2/3 of training",
+            nodes=1, procs_per_node=4, schedule="3:2@0.333-0.667", overrides=_CONVNET, steps=180, quick_steps=60,
+            target=0.93, quick_target=0.85, mirrors=_CONV_MIRRORS,
+        ),
+        Scenario(
+            name="smoke",
+            description="CI smoke test: 2 ranks on loopback, digits MLP, a few steps (not a measurement)",
+            nodes=1, procs_per_node=2, netns=False,
+            overrides=("data=digits", "model=digits_mlp", "trainer.val_check_interval=5"),
+            steps=10, quick_steps=10, target=0.3, quick_target=0.3,
+        ),
+    )
+}  # fmt: skip
