@@ -127,10 +127,14 @@ class StatsRecorder:
         """The most recent closed step, or ``None`` before the first."""
         return self.history[-1] if self.history else None
 
-    def begin_step(self) -> None:
-        """Start timing a step. Records made since the previous step stay attached to this one."""
+    def begin_step(self, at: float | None = None) -> None:
+        """Start timing a step (at ``at``, a ``time.perf_counter()`` stamp, default now).
+
+        Records made since the previous step stay attached to this one. Callers that want a step to include the
+        loop's work between steps (fetching the batch) pass the previous step's end as ``at``.
+        """
         with self._lock:
-            self._open.start = time.perf_counter()
+            self._open.start = time.perf_counter() if at is None else at
             self._in_step = True
 
     def record_blocking(self, nbytes: int, scope: Scope, seconds: float) -> None:

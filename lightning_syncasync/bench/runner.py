@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 IDEAL = "ideal"
 CONTENDER_DIR = Path(__file__).resolve().parent.parent / "conf" / "bench" / "contender"
+# Steps left out of throughput figures (one-off start-up costs), the same for every contender and the ideal.
+WARMUP_STEPS = 5
 BASELINES = ("ddp", "ddp_post_local_sgd", "ddp_hier_averager")
 
 
@@ -143,6 +145,7 @@ class BenchRunner:
             "trainer.enable_progress_bar=false",
             "trainer.enable_model_summary=false",
             "callbacks.model_checkpoint=null",
+            f"callbacks.sync_monitor.warmup_steps={WARMUP_STEPS}",
             f"seed={self.seed}",
             f"optimized_metric={scenario.metric}",
         ]
@@ -233,12 +236,17 @@ class BenchRunner:
 
     def _run_ideal(self, scenario: Scenario, rep: int) -> dict[str, Any]:
         run_dir = self.out_dir / scenario.name / IDEAL / f"rep{rep}"
+        seconds = scenario.quick_ideal_s if self.quick else scenario.ideal_s
         overrides = [
             *self._base_overrides(scenario),
             "~strategy",
             "trainer.num_nodes=1",
             "trainer.devices=1",
             "trainer.limit_val_batches=0",  # throughput only: validation is not part of the limit
+            # The same wall-clock window for every rank (they start together at the emulator's barrier): the slow
+            # rank does fewer steps, and no rank ever trains alone on a machine the others have left.
+            "trainer.max_steps=-1",
+            f"trainer.max_time={{seconds: {seconds}}}",
             f"hydra.run.dir={run_dir}/rank{{rank}}",
         ]
         log.info("[%s] ideal (no communication) rep %d", scenario.name, rep)

@@ -33,6 +33,7 @@ class Scenario:
         schedule: ``"RANK:FACTOR@START-END"`` windowed slowdowns.
         overrides: Hydra overrides of ``syncasync-train`` that fix the workload.
         steps, quick_steps: optimizer steps per rank (the sample budget is steps x global batch).
+        ideal_s, quick_ideal_s: length of the no-communication measurement (all ranks train for this long).
         metric, target, mode: the validation metric, its threshold and whether higher (``max``) is better.
         netns: needs network namespaces (root); the smoke scenario runs on plain loopback.
         mirrors: what compute-to-communication ratio the scenario resembles.
@@ -55,6 +56,8 @@ class Scenario:
     schedule: str = ""
     netns: bool = True
     mirrors: str = ""
+    ideal_s: float = 40.0
+    quick_ideal_s: float = 15.0
 
     @property
     def world_size(self) -> int:
@@ -106,19 +109,19 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             name="straggler",
             description="4 ranks on one node, rank 3 persistently 1.5x slower (CPU share / 1.5)",
-            nodes=1, procs_per_node=4, stragglers={3: 1.5}, overrides=_CONVNET, steps=180, quick_steps=60,
+            nodes=1, procs_per_node=4, stragglers={3: 1.5}, overrides=_CONVNET, steps=400, quick_steps=120,
             target=0.93, quick_target=0.85, mirrors=_CONV_MIRRORS,
         ),
         Scenario(
             name="jitter",
             description="4 ranks on one node, each step each rank pauses 4x its compute time with p=0.1",
-            nodes=1, procs_per_node=4, jitter="0.1:4", overrides=_CONVNET, steps=180, quick_steps=60, target=0.93,
+            nodes=1, procs_per_node=4, jitter="0.1:4", overrides=_CONVNET, steps=400, quick_steps=120, target=0.93,
             quick_target=0.85, mirrors=_CONV_MIRRORS,
         ),
         Scenario(
             name="mid_run_straggler",
             description="4 ranks on one node, rank 3 2x slower from 1/3 to 2/3 of training",
-            nodes=1, procs_per_node=4, schedule="3:2@0.333-0.667", overrides=_CONVNET, steps=180, quick_steps=60,
+            nodes=1, procs_per_node=4, schedule="3:2@0.333-0.667", overrides=_CONVNET, steps=400, quick_steps=120,
             target=0.93, quick_target=0.85, mirrors=_CONV_MIRRORS,
         ),
         Scenario(
@@ -126,7 +129,7 @@ SCENARIOS: dict[str, Scenario] = {
             description="CI smoke test: 2 ranks on loopback, digits MLP, a few steps (not a measurement)",
             nodes=1, procs_per_node=2, netns=False,
             overrides=("data=digits", "model=digits_mlp", "trainer.val_check_interval=5"),
-            steps=10, quick_steps=10, target=0.3, quick_target=0.3,
+            steps=10, quick_steps=10, target=0.3, quick_target=0.3, ideal_s=4, quick_ideal_s=4,
         ),
     )
 }  # fmt: skip

@@ -57,6 +57,9 @@ class SyncMonitor(Callback):
         progress_bar: show this rank's samples/s, the wait fraction and the sync mode in the progress bar.
         print_summary: print the per-rank summary table on rank 0 at the end of fit.
         smoothing: exponential smoothing factor of the progress-bar throughput (0 = no smoothing, < 1).
+        warmup_steps: steps at the start of fit left out of the aggregated figures (the summary and the per-epoch
+            throughput; still logged per step): the first steps pay one-off costs (allocations, DDP's bucket
+            rebuild, cold caches) that would blur a throughput comparison of short runs.
         summary_file: if set, rank 0 also writes :attr:`summary` there as JSON. With ``spawn`` start methods the
             callback runs in child processes, so this file is how the launching process gets the figures.
 
@@ -71,6 +74,7 @@ class SyncMonitor(Callback):
         progress_bar: bool = True,
         print_summary: bool = True,
         smoothing: float = 0.9,
+        warmup_steps: int = 0,
         summary_file: str | None = None,
     ) -> None:
         super().__init__()
@@ -80,7 +84,11 @@ class SyncMonitor(Callback):
         self.progress_bar = progress_bar
         self.print_summary = print_summary
         self.smoothing = smoothing
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
         self.summary_file = summary_file
+        self._steps_seen = 0
         self.summary: dict[str, Any] = {}
         self._recorder: StatsRecorder | None = None
         self._agg: dict[str, Any] = {}
@@ -88,6 +96,7 @@ class SyncMonitor(Callback):
         self._rate: float | None = None
         self._restore_pbar: Callable[[], None] | None = None
         self._fit_start = 0.0
+        self._last_end: float | None = None
         self._samples_seen = 0
         self.val_history: list[dict[str, Any]] = []
 
@@ -116,6 +125,7 @@ class SyncMonitor(Callback):
         self.summary = {}
         self.val_history = []
         self._samples_seen = 0
+        self._steps_seen = 0
         self._fit_start = time.perf_counter()
         if self.progress_bar and trainer.progress_bar_callback is not None:
             self._wrap_progress_bar(trainer)
@@ -129,7 +139,10 @@ class SyncMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._recorder is not None:
-            self._recorder.begin_step()
+            # A step runs from the end of the previous one (or of validation): fetching and collating the batch is
+            # part of what a step costs. Timing only the hooks' window would miss it, and on a CPU-capped process
+            # (emulated stragglers) the throttling that falls outside the window would go unmeasured.
+            self._recorder.begin_step(at=self._last_end)
 
     @override
     def on_train_batch_end(
@@ -138,6 +151,7 @@ class SyncMonitor(Callback):
         if self._recorder is None:
             return
         stats = self._recorder.end_step(step=trainer.global_step, samples=extract_batch_size(batch))
+        self._last_end = time.perf_counter()
         self._accumulate(stats)
         rate = stats.samples_per_s
         self._rate = rate if self._rate is None else self.smoothing * self._rate + (1 - self.smoothing) * rate
@@ -185,7 +199,13 @@ class SyncMonitor(Callback):
         )
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_end = time.perf_counter()
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation is not a training step: the next step starts counting from here.
+        self._last_end = time.perf_counter()
         # Validation metric against wall-clock time: what time-to-accuracy comparisons are made of.
         if trainer.sanity_checking or self._recorder is None:
             return
@@ -229,6 +249,10 @@ class SyncMonitor(Callback):
             self._restore_pbar = None
 
     def _accumulate(self, stats: StepStats) -> None:
+        self._samples_seen += stats.samples
+        self._steps_seen += 1
+        if self._steps_seen <= self.warmup_steps:
+            return
         a = self._agg
         a["steps"].update(1.0)
         a["samples"].update(float(stats.samples))
@@ -240,7 +264,6 @@ class SyncMonitor(Callback):
         a["staleness_mean"].update(stats.staleness_mean)
         a["staleness_max"].update(stats.staleness_max)
         ep = self._epoch
-        self._samples_seen += stats.samples
         ep["steps"] += 1
         ep["samples"] += stats.samples
         ep["wall_s"] += stats.wall_s

@@ -39,6 +39,10 @@ ENV_SLOWDOWN = "SYNCASYNC_SLOWDOWN"
 ENV_SCHEDULE = "SYNCASYNC_SLOWDOWN_SCHEDULE"
 ENV_JITTER = "SYNCASYNC_JITTER"
 ENV_SEED = "SYNCASYNC_STRAGGLER_SEED"
+# "HOST:PORT:WORLD" of a TCPStore: ranks that do not communicate (the emulator's --independent runs) wait for each
+# other there before training, so that they train at the same time and share the machine the way ranks of a real
+# job do. Without it, ranks whose imports finish early train alone for a while, faster than they would together.
+ENV_START_BARRIER = "SYNCASYNC_START_BARRIER"
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,13 @@ class StragglerEmulator(Callback):
         Trainer(callbacks=[SyncMonitor(), StragglerEmulator(jitter="0.1:4", seed=1)])
     """
 
-    def __init__(self, slowdown: str = "", schedule: str = "", jitter: str = "", seed: int = 0) -> None:
+    def __init__(
+        self, slowdown: str = "", schedule: str = "", jitter: str = "", seed: int = 0, start_barrier: str = ""
+    ) -> None:
         super().__init__()
+        if start_barrier and len(start_barrier.split(":")) != 3:
+            raise ValueError(f"start_barrier must be HOST:PORT:WORLD, got {start_barrier!r}")
+        self.start_barrier = start_barrier
         self.windows = parse_slowdown(slowdown) + parse_schedule(schedule)
         self.jitter_prob, self.jitter_factor = parse_jitter(jitter)
         self.seed = seed
@@ -175,6 +184,11 @@ class StragglerEmulator(Callback):
             log.info("rank %d: straggler emulation %s", trainer.global_rank, self.spec)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.start_barrier:
+            _wait_at_barrier(self.start_barrier)
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -211,3 +225,17 @@ class StragglerEmulator(Callback):
     ) -> None:
         if self.active:
             self._own_wall = time.perf_counter() - self._step_start
+
+
+def _wait_at_barrier(spec: str, timeout_s: float = 600.0) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port, world = spec.split(":")
+    store = dist.TCPStore(host, int(port), int(world), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    arrived = store.add("arrived", 1)
+    if arrived == int(world):
+        store.set("go", "1")
+    store.wait(["go"])
+    log.info("start barrier passed (%s ranks)", world)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-budget",
         type=float,
         default=None,
-        help="cores shared by all ranks (default 90%% of this machine's); each rank gets an equal part",
+        help="cores shared by all ranks (default 75%% of this machine's, leaving headroom); each rank an equal part",
     )
     p.add_argument(
         "--no-netns",

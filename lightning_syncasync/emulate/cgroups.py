@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
-PERIOD_US = 100_000
+PERIOD_US = 10_000
 
 
 def cgroup_cpu_root() -> tuple[Path, int] | None:

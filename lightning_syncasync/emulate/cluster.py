@@ -32,6 +32,7 @@ from lightning_syncasync.callbacks.straggler import (
     ENV_JITTER,
     ENV_SCHEDULE,
     ENV_SEED,
+    ENV_START_BARRIER,
     parse_jitter,
     parse_schedule,
 )
@@ -81,7 +82,8 @@ class EmulatedCluster:
         jitter: ``"PROB:FACTOR"`` transient pauses (injected by ``StragglerEmulator`` in the training process).
         schedule: ``"RANK:FACTOR@START-END"`` time-windowed slowdowns (idem).
         seed: seed of the jitter draws.
-        cpu_budget: cores shared by all ranks (default: 90% of this machine's cores); each rank gets
+        cpu_budget: cores shared by all ranks (default: 75% of this machine's cores, leaving room for the kernel,
+            the launcher and I/O so that ranks do not wait for a CPU); each rank gets
             ``cpu_budget / world_size`` cores, divided by its straggler factor. Must not exceed the machine's cores,
             or the shares stop being independent.
         netns: emulate nodes with network namespaces (root); ``False``: plain loopback, no bandwidth limit.
@@ -125,7 +127,7 @@ class EmulatedCluster:
             if not 0 <= w.rank < self.world_size:
                 raise ValueError(f"--straggler-schedule rank {w.rank} is outside the world of {self.world_size} ranks")
         cores = os.cpu_count() or 1
-        budget = 0.9 * cores if cpu_budget is None else cpu_budget
+        budget = 0.75 * cores if cpu_budget is None else cpu_budget
         if not 0 < budget <= cores:
             raise ValueError(
                 f"--cpu-budget must be in (0, {cores}] (this machine's cores), got {budget}; above it the ranks "
@@ -149,6 +151,8 @@ class EmulatedCluster:
         self.shares: CpuShares | None = None
         self.procs: list[subprocess.Popen] = []
         self._stop = threading.Event()
+        self._barrier_port: int | None = None
+        self._barrier_store: object | None = None
 
     def cores_per_rank(self) -> list[float]:
         base = self.cpu_budget / self.world_size
@@ -159,11 +163,13 @@ class EmulatedCluster:
         env = dict(os.environ)
         # One intra-op thread per rank: each emulated machine owns its share of one core, not the whole box.
         env.setdefault("OMP_NUM_THREADS", "1")
-        for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED):
+        for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED, ENV_START_BARRIER):
             env.pop(var, None)
         if self.independent:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
                        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", NODE_RANK="0")  # fmt: skip
+            if self._barrier_port is not None:
+                env[ENV_START_BARRIER] = f"127.0.0.1:{self._barrier_port}:{self.world_size}"
         else:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world_size),
                        RANK=str(rank), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(self.procs_per_node),
@@ -205,7 +211,19 @@ class EmulatedCluster:
             if threading.current_thread() is threading.main_thread():
                 for s in previous:
                     signal.signal(s, self._on_signal)
-            if self.netns:
+            if self.independent:
+                # Ranks that do not communicate need no network, but they should train at the same time: they meet
+                # at a start barrier served from here (see StragglerEmulator).
+                import datetime
+
+                import torch.distributed as dist
+
+                self._barrier_port = free_port()
+                self._barrier_store = dist.TCPStore(
+                    "127.0.0.1", self._barrier_port, self.world_size + 1, is_master=True,
+                    timeout=datetime.timedelta(seconds=600), wait_for_workers=False,
+                )  # fmt: skip
+            elif self.netns:
                 self.network = EmulatedNetwork(self.nodes, self.link_mbit)
                 self.network.setup()
             if self.use_cgroups:
@@ -246,6 +264,7 @@ class EmulatedCluster:
             for s, handler in previous.items():
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(s, handler)
+            self._barrier_store = None
             report.exit_codes = [p.returncode for p in self.procs]
             report.wall_s = time.monotonic() - start
             (log_dir / "emulation.json").write_text(json.dumps(asdict(report), indent=2))
@@ -256,7 +275,17 @@ class EmulatedCluster:
         if self.shares is None:
             return None
         shares, name = self.shares, f"rank{rank}"
-        return lambda: shares.join(name)
+        cpus = sorted(os.sched_getaffinity(0))
+        cpu = cpus[rank % len(cpus)]
+
+        def join() -> None:
+            shares.join(name)
+            # A fixed CPU per rank: a process that migrates between CPUs (or shares one with a different neighbour
+            # each time) gets a different amount of work out of the same CPU share; pinned, a rank's speed is its
+            # share. Quotas are chosen so that the ranks on one CPU fit in it.
+            os.sched_setaffinity(0, {cpu})
+
+        return join
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop.set()
