@@ -1,0 +1,84 @@
+"""syncasync-bench: a seconds-long smoke run end to end, contender resolution, the report's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_syncasync.bench.report import merge_results, summarise, write_report
+from lightning_syncasync.bench.runner import BASELINES, resolve_contenders
+
+BENCH = [sys.executable, "-m", "lightning_syncasync.bench"]
+
+
+@pytest.mark.timeout(300)
+def test_smoke_scenario_writes_every_file_with_sane_values(tmp_path):
+    proc = subprocess.run([*BENCH, "--scenario", "smoke", "--strategies", "ddp", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=280)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("results.json", "report.md", "throughput.png", "accuracy_vs_time.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    (rec,) = json.loads((tmp_path / "results.json").read_text())
+    keys = ("scenario", "strategy", "samples_per_s", "ideal_samples_per_s", "efficiency", "time_to_target_s", "target",
+            "final_val_metric", "val_metric_name", "inter_node_bytes_per_step", "wall_s", "config")  # fmt: skip
+    for key in keys:
+        assert key in rec, key
+    assert (rec["scenario"], rec["strategy"], rec["val_metric_name"]) == ("smoke", "ddp", "val_acc")
+    assert rec["samples_per_s"] > 0 and rec["ideal_samples_per_s"] > 0
+    assert rec["efficiency"] == pytest.approx(rec["samples_per_s"] / rec["ideal_samples_per_s"])
+    assert 0 < rec["efficiency"] < 1.5
+    assert len(rec["ideal_per_rank_samples_per_s"]) == 2
+    assert rec["inter_node_bytes_per_step"] == 0  # one node
+    assert 0 < rec["final_val_metric"] <= 1 and rec["val_history"]
+    assert rec["config"]["trainer"]["strategy"]["start_method"] == "popen"
+    assert rec["config"]["trainer"]["max_steps"] == 10
+    report = (tmp_path / "report.md").read_text()
+    assert "| ddp |" in report and "no-communication limit" in report
+
+
+def test_contenders_resolve_from_files_and_baselines():
+    names = [c.name for c in resolve_contenders("baselines,ddp")]
+    assert names == list(BASELINES)  # duplicates dropped, order kept
+    (plsgd,) = resolve_contenders("ddp_post_local_sgd")
+    assert plsgd.overrides == ("strategy=ddp_post_local_sgd",)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scenario", "nope", "--strategies", "ddp"], "unknown --scenario"),
+        (["--scenario", "smoke", "--strategies", "ddp,warp_drive"], "unknown contender 'warp_drive'"),
+        (["--scenario", "smoke", "--strategies", ","], "--strategies is empty"),
+        (["--scenario", "smoke", "--repeats", "0"], "--repeats"),
+    ],
+)
+def test_bad_input_is_rejected_before_running(tmp_path, args, message):
+    proc = subprocess.run([*BENCH, *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def _record(strategy: str, sps: float, ideal_ranks: list[float], ttt: float | None, **kw) -> dict:
+    return {"scenario": "straggler", "strategy": strategy, "samples_per_s": sps,
+            "ideal_samples_per_s": sum(ideal_ranks), "ideal_per_rank_samples_per_s": ideal_ranks,
+            "efficiency": sps / sum(ideal_ranks),
+            "time_to_target_s": ttt, "final_val_metric": 0.9, "inter_node_bytes_per_step": 0.0, "wait_frac": 0.1,
+            "target": 0.9, "val_metric_name": "val_acc", "steps": 10, "quick": True, **kw}  # fmt: skip
+
+
+def test_summary_medians_and_the_synchronous_bound():
+    recs = [_record("ddp", s, [2.0, 2.0, 2.0, 1.0], t) for s, t in ((3.0, 10.0), (4.0, 12.0), (5.0, None))]
+    s = summarise(recs)["straggler"]["ddp"]
+    assert s["samples_per_s"] == 4.0 and s["time_to_target_s"] == 11.0 and s["reached"] == 2
+    assert s["ideal_sync_efficiency"] == pytest.approx(4 * 1.0 / 7.0)  # everyone at the slowest rank's pace
+
+
+def test_results_accumulate_and_a_rerun_replaces_its_records(tmp_path):
+    merge_results(tmp_path, [_record("ddp", 3.0, [1.0], 1.0), _record("other", 2.0, [1.0], 2.0)])
+    merged = merge_results(tmp_path, [_record("ddp", 5.0, [1.0], 1.0)])
+    assert sorted((r["strategy"], r["samples_per_s"]) for r in merged) == [("ddp", 5.0), ("other", 2.0)]
+    text = write_report(tmp_path, merged, "syncasync-bench test").read_text()
+    assert "other reaches the target 0.50x as fast as DDP" in text
