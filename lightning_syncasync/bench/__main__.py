@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "syncasync-bench " + shlex.join(argv)
     records = []
     for name in names:
-        records = merge_results(out, runner.run(SCENARIOS[name], contenders))
+        fresh = runner.run(SCENARIOS[name], contenders)
+        for rec in fresh:
+            rec["command"] = command
+        records = merge_results(out, fresh)
     report = write_report(out, records, command)
     write_plots(out, records)
     logging.info("report: %s", report)

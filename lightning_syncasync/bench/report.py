@@ -62,10 +62,13 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
 
 def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> Path:
     table = summarise(records)
+    commands = list(dict.fromkeys([r["command"] for r in records if r.get("command")] + [command]))
     lines = [
         "# syncasync-bench report",
         "",
-        f"Command: `{command}`",
+        "Commands (results accumulate in this folder):",
+        "",
+        *[f"- `{c}`" for c in commands],
         "",
         f"Machine: {os.cpu_count()} cores. Every figure below was measured in the runs listed in `results.json`; "
         "timings are medians over repeats with [min-max] when there is more than one. `efficiency` is the "

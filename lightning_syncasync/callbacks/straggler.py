@@ -156,6 +156,8 @@ class StragglerEmulator(Callback):
         self._step_start = 0.0
         self._own_wall: float | None = None
         self._last_seen_step: int | None = None
+        self._planned_s: float | None = None
+        self._train_start = 0.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StragglerEmulator | None:
@@ -179,6 +181,13 @@ class StragglerEmulator(Callback):
         self._rng = random.Random(self.seed * 1_000_003 + trainer.global_rank)
         planned = trainer.estimated_stepping_batches
         self._planned_steps = int(planned) if planned != float("inf") else 0
+        # A run bounded by time instead of steps (the benchmark's no-communication runs use max_time): windows are
+        # then fractions of that time.
+        from lightning.pytorch.callbacks import Timer
+
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        self._planned_s = timer._duration if (timer is not None and not self._planned_steps) else None
+        self._train_start = time.perf_counter()
         self._last_sleep = 0.0
         if self.active:
             log.info("rank %d: straggler emulation %s", trainer.global_rank, self.spec)
@@ -206,7 +215,12 @@ class StragglerEmulator(Callback):
             return  # no measurement yet: the first step runs at native speed
         compute = max(measured - self._last_sleep, 0.0)
         factor = 1.0
-        progress = trainer.global_step / self._planned_steps if self._planned_steps else 0.0
+        if self._planned_steps:
+            progress = trainer.global_step / self._planned_steps
+        elif self._planned_s:
+            progress = (time.perf_counter() - self._train_start) / self._planned_s
+        else:
+            progress = 0.0
         for w in self.windows:
             if w.rank == trainer.global_rank and w.start <= progress < w.end:
                 factor *= w.factor

@@ -68,3 +68,15 @@ def test_a_scheduled_straggler_only_sleeps_inside_its_window():
     other = StragglerEmulator(schedule="1:3@0.0-1.0")
     _fit(other, steps=10)
     assert other.injected_s == 0.0
+
+
+def test_a_time_bounded_run_places_the_window_in_time():
+    # The benchmark's no-communication runs are bounded by max_time: the window is then a fraction of that time.
+    emu = StragglerEmulator(schedule="0:3@0.5-1.0")
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=-1, max_time={"seconds": 3}, logger=False,
+                      callbacks=[SyncMonitor(print_summary=False), emu], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(TinyModel())
+    assert emu._planned_s == 3.0
+    # 3x slower in the second half: about 2/3 of that half is injected sleep.
+    assert 0.5 < emu.injected_s < 1.5
