@@ -149,9 +149,12 @@ def _answers(name: str, by_strategy: dict[str, dict[str, Any]], table: dict[str,
         else:
             out.append(f"- DDP runs at {eff:.1f}% of the no-communication limit.")
         ttt = ddp["time_to_target_s"]
+        ddp_cmds = {r.get("command") for r in ddp["runs"]}
         for strategy, s in by_strategy.items():
             if strategy != "ddp" and ttt and s["time_to_target_s"]:
-                out.append(f"- {strategy} reaches the target {ttt / s['time_to_target_s']:.2f}x as fast as DDP.")
+                same = ddp_cmds == {r.get("command") for r in s["runs"]}
+                note = "" if same else " (measured in a different invocation than DDP: rerun both together to compare)"
+                out.append(f"- {strategy} reaches the target {ttt / s['time_to_target_s']:.2f}x as fast as DDP{note}.")
     return out
 
 
