@@ -2,5 +2,17 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Each test process and its children share 2 cores: one intra-op thread each keeps gloo tests from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment():
+    """Undo what a test leaves in os.environ: Lightning sets MASTER_PORT and PL_GLOBAL_SEED in the process that
+    builds a Trainer, and a later test's subprocess would inherit a port that may no longer be free."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
