@@ -8,11 +8,12 @@ distributed strategies without network access or GPUs.
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from lightning_syncasync.demo._split import _SplitDataModule
 
 
-class DigitsDataModule(LightningDataModule):
+class DigitsDataModule(_SplitDataModule):
     """scikit-learn ``load_digits`` as a Lightning data module.
 
     Inputs are ``float32`` tensors of shape ``(N, 1, 8, 8)`` scaled to ``[0, 1]``; labels are ``int64`` in
@@ -109,51 +110,3 @@ class DigitsDataModule(LightningDataModule):
         self.val_indices = torch.as_tensor(val_idx, dtype=torch.int64)
         self.train_dataset = TensorDataset(images[self.train_indices], labels[self.train_indices])
         self.val_dataset = TensorDataset(images[self.val_indices], labels[self.val_indices])
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training loader; under DDP Lightning swaps in a ``DistributedSampler``.
-
-        Returns:
-            The training ``DataLoader``.
-        """
-        return self._loader(self._require(self.train_dataset), shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        """Validation loader in a fixed order.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self._loader(self._require(self.val_dataset), shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        """Test loader; the digits set has no separate test split, so this is the validation split.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self.val_dataloader()
-
-    def predict_dataloader(self) -> DataLoader:
-        """Prediction loader over the validation split.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self.val_dataloader()
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            # Re-spawning workers every epoch is expensive with the spawn start method.
-            persistent_workers=self.num_workers > 0,
-        )
-
-    @staticmethod
-    def _require(dataset: TensorDataset | None) -> TensorDataset:
-        if dataset is None:
-            raise RuntimeError("DigitsDataModule.setup() must run before requesting a dataloader")
-        return dataset

@@ -12,8 +12,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from lightning_syncasync.demo._split import _SplitDataModule
 
 # Teacher width and first-layer gain. A gain below 1 keeps tanh in its near-linear range, which keeps the task learnable
 # from a few thousand samples while remaining non-linear; the width keeps classes roughly balanced.
@@ -23,7 +24,7 @@ _TEACHER_GAIN = 0.5
 _CHUNK = 65536
 
 
-class SyntheticDataModule(LightningDataModule):
+class SyntheticDataModule(_SplitDataModule):
     """Gaussian inputs labelled by a fixed random 2-layer tanh MLP teacher, with label noise.
 
     For every sample ``x ~ N(0, I)`` (shape ``input_shape``), the label is ``argmax(W2 tanh(W1 flatten(x)))`` with
@@ -146,51 +147,3 @@ class SyntheticDataModule(LightningDataModule):
         num_train = self.num_samples - self._num_val
         self.train_dataset = TensorDataset(inputs[:num_train], labels[:num_train])
         self.val_dataset = TensorDataset(inputs[num_train:], labels[num_train:])
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training loader; under DDP Lightning swaps in a ``DistributedSampler``.
-
-        Returns:
-            The training ``DataLoader``.
-        """
-        return self._loader(self._require(self.train_dataset), shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        """Validation loader in a fixed order.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self._loader(self._require(self.val_dataset), shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        """Test loader; this is the validation split.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self.val_dataloader()
-
-    def predict_dataloader(self) -> DataLoader:
-        """Prediction loader over the validation split.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self.val_dataloader()
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            # Re-spawning workers every epoch is expensive with the spawn start method.
-            persistent_workers=self.num_workers > 0,
-        )
-
-    @staticmethod
-    def _require(dataset: TensorDataset | None) -> TensorDataset:
-        if dataset is None:
-            raise RuntimeError("SyntheticDataModule.setup() must run before requesting a dataloader")
-        return dataset

@@ -8,8 +8,9 @@ byte-identical on every DDP rank.
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from lightning_syncasync.demo._split import _SplitDataModule
 
 
 def load_corpus(max_chars: int | None = None) -> torch.Tensor:
@@ -31,7 +32,7 @@ def load_corpus(max_chars: int | None = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
 
 
-class TextDataModule(LightningDataModule):
+class TextDataModule(_SplitDataModule):
     """Next-byte prediction windows over the pydoc topics corpus.
 
     The byte stream is cut into non-overlapping windows: window ``i`` has input ``bytes[i*L : i*L+L]`` and target
@@ -124,43 +125,3 @@ class TextDataModule(LightningDataModule):
         # clone() so each split owns compact storage instead of a view into the whole corpus.
         self.train_dataset = TensorDataset(x[:num_train].clone(), y[:num_train].clone())
         self.val_dataset = TensorDataset(x[num_train:].clone(), y[num_train:].clone())
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training loader; under DDP Lightning swaps in a ``DistributedSampler``.
-
-        Returns:
-            The training ``DataLoader``.
-        """
-        return self._loader(self._require(self.train_dataset), shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        """Validation loader in corpus order.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self._loader(self._require(self.val_dataset), shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        """Test loader; there is no separate test split, so this is the validation split.
-
-        Returns:
-            The validation ``DataLoader``.
-        """
-        return self.val_dataloader()
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            # Re-spawning workers every epoch is expensive with the spawn start method.
-            persistent_workers=self.num_workers > 0,
-        )
-
-    @staticmethod
-    def _require(dataset: TensorDataset | None) -> TensorDataset:
-        if dataset is None:
-            raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
-        return dataset
