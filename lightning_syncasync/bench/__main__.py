@@ -27,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="measurements per contender (medians are reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-netns", action="store_true", help="loopback only: no link limits (no root needed)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra syncasync-train override for every run, e.g. model=my_model or "
+        "model._target_=my_pkg.MyModule (your own workload on the scenario's cluster); repeatable",
+    )
     p.add_argument("--list", action="store_true", help="list scenarios and contenders and exit")
     return p
 
@@ -49,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         netns = not args.no_netns
         if netns and any(SCENARIOS[n].netns for n in names):
             check_netns_support()
-        runner = BenchRunner(args.out, quick=args.quick, repeats=args.repeats, seed=args.seed, netns=netns)
+        bad = [o for o in args.override if "=" not in o]
+        if bad:
+            raise ValueError(f"--override {bad[0]!r} is not KEY=VALUE, e.g. --override data.batch_size=64")
+        runner = BenchRunner(args.out, quick=args.quick, repeats=args.repeats, seed=args.seed, netns=netns,
+                             extra_overrides=args.override)  # fmt: skip
     except (ValueError, EmulationUnavailable) as err:
         print(f"syncasync-bench: error: {err}", file=sys.stderr)
         return 2

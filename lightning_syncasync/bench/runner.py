@@ -87,6 +87,7 @@ class BenchRunner:
         seed: training seed (the same for every contender) and jitter seed.
         netns: use network namespaces when the scenario asks for them (``False``: loopback, no link limit).
         run_timeout_s: bound on a single run.
+        extra_overrides: ``syncasync-train`` overrides added to every run after the scenario's (your workload).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class BenchRunner:
         seed: int = 0,
         netns: bool = True,
         run_timeout_s: float = 1800.0,
+        extra_overrides: list[str] | None = None,
     ) -> None:
         if repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {repeats}")
@@ -106,6 +108,7 @@ class BenchRunner:
         self.seed = seed
         self.netns = netns
         self.run_timeout_s = run_timeout_s
+        self.extra_overrides = list(extra_overrides or [])
 
     def run(self, scenario: Scenario, contenders: list[Contender]) -> list[dict[str, Any]]:
         items: list[Contender | None] = [None, *contenders]  # None: the ideal run
@@ -140,6 +143,7 @@ class BenchRunner:
     def _base_overrides(self, scenario: Scenario) -> list[str]:
         return [
             *scenario.overrides,
+            *self.extra_overrides,
             f"trainer.max_steps={self._steps(scenario)}",
             "trainer.max_epochs=-1",
             "trainer.enable_progress_bar=false",

@@ -16,7 +16,8 @@ BENCH = [sys.executable, "-m", "lightning_syncasync.bench"]
 
 @pytest.mark.timeout(300)
 def test_smoke_scenario_writes_every_file_with_sane_values(tmp_path):
-    proc = subprocess.run([*BENCH, "--scenario", "smoke", "--strategies", "ddp", "--out", str(tmp_path)],
+    proc = subprocess.run([*BENCH, "--scenario", "smoke", "--strategies", "ddp", "--out", str(tmp_path),
+                           "--override", "model.hidden=32"],
                           capture_output=True, text=True, timeout=280)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("results.json", "report.md", "throughput.png", "accuracy_vs_time.png"):
@@ -35,6 +36,7 @@ def test_smoke_scenario_writes_every_file_with_sane_values(tmp_path):
     assert 0 < rec["final_val_metric"] <= 1 and rec["val_history"]
     assert rec["config"]["trainer"]["strategy"]["start_method"] == "popen"
     assert rec["config"]["trainer"]["max_steps"] == 10
+    assert rec["config"]["model"]["hidden"] == 32  # --override reaches every run
     report = (tmp_path / "report.md").read_text()
     assert "| ddp |" in report and "no-communication limit" in report
 
@@ -53,6 +55,7 @@ def test_contenders_resolve_from_files_and_baselines():
         (["--scenario", "smoke", "--strategies", "ddp,warp_drive"], "unknown contender 'warp_drive'"),
         (["--scenario", "smoke", "--strategies", ","], "--strategies is empty"),
         (["--scenario", "smoke", "--repeats", "0"], "--repeats"),
+        (["--scenario", "smoke", "--override", "model.lr"], "--override"),
     ],
 )
 def test_bad_input_is_rejected_before_running(tmp_path, args, message):
