@@ -1,0 +1,188 @@
+"""Bounded-delay averaging of node models across nodes, sharded over the ranks of each node.
+
+Hierarchical synchronisation (the design brief's "intra-node full sync, inter-node quasi-sync allowing 1-2
+iterations of delay"): ranks of one node keep identical replicas by all-reducing gradients every step (DDP on the
+node's group); every ``inter_period`` steps the node replicas are averaged across nodes. That average is launched
+asynchronously and applied ``max_delay`` steps later as an additive correction ``avg(snapshot) - snapshot``, so the
+local progress made while it was in flight is kept (as in overlapped local SGD: Wang et al., "Overlap Local-SGD",
+ICASSP 2020). Optionally the averaged pseudo-gradient ``snapshot - avg`` goes through an outer Nesterov-momentum step
+instead of being applied as is (DiLoCo: Douillard et al., 2023).
+
+Traffic is spread over all local ranks instead of one leader per node: since the replicas of a node are identical,
+local rank ``i`` takes shard ``i`` of the flattened model and all-reduces it with local rank ``i`` of every other
+node (the "all-reduce across" of reduce-scatter / all-reduce / all-gather, where the reduce-scatter inside the node is
+free because the node already agrees); the corrections are then all-gathered inside the node.
+
+With ``inter_period=1``, ``max_delay=0`` and plain averaging, a step of SGD followed by the average equals flat
+data-parallel SGD over all ranks (the mean of the node updates is the update of the mean gradient).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms.stats import StatsRecorder
+
+Outer = Literal["average", "nesterov"]
+
+
+@dataclass
+class _Round:
+    step: int
+    snapshot: torch.Tensor  # this rank's shard of the node model at launch
+    buffer: torch.Tensor  # the all-reduced (summed) shard, valid once `work` is done
+    work: dist.Work
+
+
+class DelayedAverager:
+    """Average a node-identical model across nodes, ``max_delay`` steps after launching the average.
+
+    Args:
+        tensors: the model's parameters (and float buffers) in a fixed order; identical on the ranks of a node.
+        cross_group: the group of this local rank's peers on the other nodes (one rank per node).
+        node_group: the ranks of this node.
+        local_rank, node_size, num_nodes: this rank's place in the topology.
+        inter_period: steps between two launches (>= 1).
+        max_delay: steps between a launch and the application of its result (>= 0; 0 = synchronous).
+        outer: ``"average"`` (apply the average) or ``"nesterov"`` (outer SGD with Nesterov momentum on the
+            pseudo-gradient, DiLoCo).
+        outer_lr, outer_momentum: the outer optimizer's settings (``outer="nesterov"``).
+        recorder: where bytes and wait time go.
+
+    Example::
+
+        avg = DelayedAverager(list(model.parameters()), cross, node, local_rank, 2, 2, inter_period=1, max_delay=1)
+        for step in range(n):
+            train_step()
+            avg.after_step()
+        avg.drain()
+    """
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        cross_group: dist.ProcessGroup | None,
+        node_group: dist.ProcessGroup | None,
+        local_rank: int,
+        node_size: int,
+        num_nodes: int,
+        inter_period: int = 1,
+        max_delay: int = 1,
+        outer: Outer = "average",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.9,
+        recorder: StatsRecorder | None = None,
+    ) -> None:
+        if inter_period < 1:
+            raise ValueError(f"inter_period must be >= 1, got {inter_period}")
+        if max_delay < 0:
+            raise ValueError(f"max_delay must be >= 0, got {max_delay}")
+        if outer not in ("average", "nesterov"):
+            raise ValueError(f"outer must be 'average' or 'nesterov', got {outer!r}")
+        if outer_lr <= 0:
+            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        if not 0 <= local_rank < node_size:
+            raise ValueError(f"local_rank must be in [0, {node_size}), got {local_rank}")
+        if not tensors:
+            raise ValueError("tensors is empty: nothing to average")
+        self.tensors = tensors
+        self.cross_group, self.node_group = cross_group, node_group
+        self.local_rank, self.node_size, self.num_nodes = local_rank, node_size, num_nodes
+        self.inter_period, self.max_delay = inter_period, max_delay
+        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
+        self.recorder = recorder
+        numel = sum(t.numel() for t in tensors)
+        self.shard_numel = -(-numel // node_size)  # ceil: the last shard is padded
+        self.numel = numel
+        self.step = 0
+        self.pending: deque[_Round] = deque()
+        self.momentum: torch.Tensor | None = None  # outer Nesterov buffer, for this rank's shard
+        self.rounds_applied = 0
+
+    # -- public ----------------------------------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """Call once per optimizer step, after it: apply the rounds that are due, then maybe launch one."""
+        self.step += 1
+        while self.pending and self.step - self.pending[0].step >= self.max_delay:
+            self._apply(self.pending.popleft())
+        if self.num_nodes > 1 and self.step % self.inter_period == 0:
+            self._launch()
+            if self.max_delay == 0:
+                self._apply(self.pending.popleft())
+
+    def drain(self) -> None:
+        """Wait for and apply every round in flight (before a checkpoint, a mode switch or teardown)."""
+        while self.pending:
+            self._apply(self.pending.popleft())
+
+    def state_dict(self) -> dict[str, object]:
+        """What a resumed run needs: the step counter and the outer momentum. Drain first: rounds in flight are
+        communication handles and cannot be saved."""
+        if self.pending:
+            raise RuntimeError("drain() the averager before state_dict(): rounds are still in flight")
+        return {"step": self.step, "momentum": self.momentum, "rounds_applied": self.rounds_applied}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.step = int(state["step"])  # type: ignore[call-overload]
+        self.rounds_applied = int(state.get("rounds_applied", 0))  # type: ignore[call-overload]
+        momentum = state.get("momentum")
+        self.momentum = None if momentum is None else momentum.clone()  # type: ignore[union-attr]
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _flat(self) -> torch.Tensor:
+        flat = torch.cat([t.detach().reshape(-1) for t in self.tensors])
+        pad = self.shard_numel * self.node_size - flat.numel()
+        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+
+    def _launch(self) -> None:
+        lo = self.local_rank * self.shard_numel
+        shard = self._flat()[lo : lo + self.shard_numel]
+        snapshot = shard.clone()
+        buffer = shard.clone()
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
+        if self.recorder is not None:
+            self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
+        self.pending.append(_Round(self.step, snapshot, buffer, work))
+
+    def _apply(self, rnd: _Round) -> None:
+        start = time.perf_counter()
+        rnd.work.wait()
+        if self.recorder is not None:
+            self.recorder.record_wait(time.perf_counter() - start)
+        average = rnd.buffer / self.num_nodes
+        if self.outer == "average":
+            delta = average - rnd.snapshot
+        else:
+            pseudo_grad = rnd.snapshot - average
+            if self.momentum is None:
+                self.momentum = torch.zeros_like(pseudo_grad)
+            self.momentum.mul_(self.outer_momentum).add_(pseudo_grad)
+            delta = -self.outer_lr * (pseudo_grad + self.outer_momentum * self.momentum)
+        full = self._gather(delta)
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                n = t.numel()
+                t.add_(full[offset : offset + n].view_as(t).to(t.dtype))
+                offset += n
+        self.rounds_applied += 1
+
+    def _gather(self, delta: torch.Tensor) -> torch.Tensor:
+        if self.node_size == 1:
+            return delta
+        out = torch.empty(self.shard_numel * self.node_size, dtype=delta.dtype, device=delta.device)
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(out, delta.contiguous(), group=self.node_group)
+        if self.recorder is not None:
+            self.recorder.record_blocking(out.numel() * out.element_size(), "intra", time.perf_counter() - start)
+        return out

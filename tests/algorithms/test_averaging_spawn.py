@@ -1,0 +1,92 @@
+"""DelayedAverager on 4 gloo processes as 2 virtual nodes of 2: exact averages, delays, outer Nesterov, bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms.averaging import DelayedAverager
+from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.testing import run_distributed
+
+
+def _groups(rank: int, topo: Topology):
+    node, _ = dist.new_subgroups_by_enumeration([topo.node_ranks(n) for n in range(topo.num_nodes)])
+    cross, _ = dist.new_subgroups_by_enumeration([topo.cross_node_ranks(i) for i in range(topo.node_size)])
+    return node, cross
+
+
+def _run(rank: int, world: int, max_delay: int, outer: str, steps: int) -> dict:
+    topo = Topology(world, 2)
+    node_group, cross_group = _groups(rank, topo)
+    node = topo.node_of(rank)
+    # 7 + 4 elements: not a multiple of node_size, so the last shard is padded.
+    w = [torch.zeros(7), torch.ones(2, 2)]
+    rec = StatsRecorder()
+    avg = DelayedAverager(w, cross_group, node_group, topo.local_rank_of(rank), 2, 2, inter_period=1,
+                          max_delay=max_delay, outer=outer, outer_lr=0.5, outer_momentum=0.5, recorder=rec)  # fmt: skip
+    history = []
+    for _ in range(steps):
+        rec.begin_step()
+        with torch.no_grad():
+            for t in w:
+                t.sub_(float(node + 1))  # node-identical local update: node 0 moves by 1, node 1 by 2
+        avg.after_step()
+        history.append([t.clone() for t in w])
+        stats = rec.end_step(0, 1)
+    avg.drain()
+    return {"history": history, "final": [t.clone() for t in w], "stats": stats, "applied": avg.rounds_applied}
+
+
+@pytest.mark.timeout(120)
+def test_synchronous_average_is_the_mean_of_node_updates():
+    res = run_distributed(_run, 4, 0, "average", 3)
+    for r in res:
+        # Each step the mean update is 1.5, applied to every rank.
+        torch.testing.assert_close(r["final"][0], torch.full((7,), -4.5))
+        torch.testing.assert_close(r["final"][1], torch.full((2, 2), 1 - 4.5))
+        # One shard of the padded 12-element model crosses nodes; the whole model is gathered in the node.
+        assert r["stats"].bytes_inter == 6 * 4 and r["stats"].bytes_intra == 12 * 4
+        assert r["applied"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_one_step_delay_keeps_local_progress_and_converges_after_drain():
+    res = run_distributed(_run, 4, 1, "average", 2)
+    for rank, r in enumerate(res):
+        u = float(rank // 2 + 1)
+        # Step 1: launch on snapshot s = -u; nothing applied yet.
+        torch.testing.assert_close(r["history"][0][0], torch.full((7,), -u))
+        # Step 2: local -u again, then the step-1 round lands: s - u + (avg(s) - s) = -1.5 - u.
+        torch.testing.assert_close(r["history"][1][0], torch.full((7,), -1.5 - u))
+    # After the drain every replica applied the step-2 round too: all ranks agree.
+    for r in res[1:]:
+        torch.testing.assert_close(r["final"][0], res[0]["final"][0])
+
+
+@pytest.mark.timeout(120)
+def test_outer_nesterov_step():
+    res = run_distributed(_run, 4, 0, "nesterov", 1)
+    # snapshot s_n = -(n+1), avg = -1.5, pseudo-gradient g = s - avg, momentum m = g (first step),
+    # delta = -lr (g + mu m) = -0.5 * 1.5 g; new = s + delta.
+    for rank, r in enumerate(res):
+        s = -float(rank // 2 + 1)
+        g = s + 1.5
+        torch.testing.assert_close(r["final"][0], torch.full((7,), s - 0.5 * 1.5 * g))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"inter_period": 0}, "inter_period"),
+        ({"max_delay": -1}, "max_delay"),
+        ({"outer": "adam"}, "outer"),
+        ({"outer_lr": 0.0}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DelayedAverager([torch.zeros(2)], None, None, 0, 2, 2, **kwargs)
