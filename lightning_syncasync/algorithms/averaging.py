@@ -5,8 +5,10 @@ iterations of delay"): ranks of one node keep identical replicas by all-reducing
 node's group); every ``inter_period`` steps the node replicas are averaged across nodes. That average is launched
 asynchronously and applied ``max_delay`` steps later as an additive correction ``avg(snapshot) - snapshot``, so the
 local progress made while it was in flight is kept (as in overlapped local SGD: Wang et al., "Overlap Local-SGD",
-ICASSP 2020). Optionally the averaged pseudo-gradient ``snapshot - avg`` goes through an outer Nesterov-momentum step
-instead of being applied as is (DiLoCo: Douillard et al., 2023).
+ICASSP 2020). Optionally the average goes through an outer Nesterov-momentum step (DiLoCo: Douillard et al., 2023):
+the pseudo-gradient ``anchor - avg`` is taken against the last global model (the *anchor*, identical on every node),
+so every node computes the same new global model, ``anchor - outer_lr * nesterov(pseudo-gradient)``; each node then
+adds the difference between that model and its own snapshot, which keeps its local progress since the launch.
 
 Traffic is spread over all local ranks instead of one leader per node: since the replicas of a node are identical,
 local rank ``i`` takes shard ``i`` of the flattened model and all-reduces it with local rank ``i`` of every other
@@ -105,6 +107,9 @@ class DelayedAverager:
         self.step = 0
         self.pending: deque[_Round] = deque()
         self.momentum: torch.Tensor | None = None  # outer Nesterov buffer, for this rank's shard
+        # The last global model, this rank's shard (the same on every node). The replicas must start identical on
+        # every node (the strategy broadcasts them before building the averager).
+        self.anchor = self._shard()
         self.rounds_applied = 0
 
     # -- public ----------------------------------------------------------------------------------------------
@@ -120,22 +125,39 @@ class DelayedAverager:
                 self._apply(self.pending.popleft())
 
     def drain(self) -> None:
-        """Wait for and apply every round in flight (before a checkpoint, a mode switch or teardown)."""
+        """Wait for and apply every round in flight (before a mode switch or teardown)."""
         while self.pending:
             self._apply(self.pending.popleft())
 
+    def synchronize(self) -> None:
+        """A consistent cut: drain, then one more round applied at once, after which every node holds the same
+        model (the new global model). Checkpoints are taken here, so a resumed run starts from exactly the model
+        and outer state the uninterrupted run continues from."""
+        self.drain()
+        if self.num_nodes > 1:
+            self._launch()
+            self._apply(self.pending.popleft())
+
     def state_dict(self) -> dict[str, object]:
-        """What a resumed run needs: the step counter and the outer momentum. Drain first: rounds in flight are
-        communication handles and cannot be saved."""
+        """What a resumed run needs after :meth:`synchronize`: the step counter and the whole outer momentum (the
+        shards of the node's ranks, gathered: a collective on the node group, so every rank must call it)."""
         if self.pending:
-            raise RuntimeError("drain() the averager before state_dict(): rounds are still in flight")
-        return {"step": self.step, "momentum": self.momentum, "rounds_applied": self.rounds_applied}
+            raise RuntimeError("synchronize() the averager before state_dict(): rounds are still in flight")
+        momentum = None if self.momentum is None else self._gather(self.momentum, record=False)[: self.numel].clone()
+        return {"step": self.step, "momentum": momentum, "rounds_applied": self.rounds_applied}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore after the model's weights were loaded (the anchor is taken from them)."""
         self.step = int(state["step"])  # type: ignore[call-overload]
         self.rounds_applied = int(state.get("rounds_applied", 0))  # type: ignore[call-overload]
         momentum = state.get("momentum")
-        self.momentum = None if momentum is None else momentum.clone()  # type: ignore[union-attr]
+        if momentum is None:
+            self.momentum = None
+        else:
+            full = torch.nn.functional.pad(momentum, (0, self.shard_numel * self.node_size - momentum.numel()))  # type: ignore[arg-type]
+            lo = self.local_rank * self.shard_numel
+            self.momentum = full[lo : lo + self.shard_numel].clone()
+        self.anchor = self._shard()  # the restored weights are a consistent cut: the global model
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -144,11 +166,13 @@ class DelayedAverager:
         pad = self.shard_numel * self.node_size - flat.numel()
         return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
 
-    def _launch(self) -> None:
+    def _shard(self) -> torch.Tensor:
         lo = self.local_rank * self.shard_numel
-        shard = self._flat()[lo : lo + self.shard_numel]
-        snapshot = shard.clone()
-        buffer = shard.clone()
+        return self._flat()[lo : lo + self.shard_numel].clone()
+
+    def _launch(self) -> None:
+        snapshot = self._shard()
+        buffer = snapshot.clone()
         work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
         if self.recorder is not None:
             self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
@@ -161,13 +185,16 @@ class DelayedAverager:
             self.recorder.record_wait(time.perf_counter() - start)
         average = rnd.buffer / self.num_nodes
         if self.outer == "average":
-            delta = average - rnd.snapshot
+            new_global = average
         else:
-            pseudo_grad = rnd.snapshot - average
+            pseudo_grad = self.anchor - average  # the same on every node
             if self.momentum is None:
                 self.momentum = torch.zeros_like(pseudo_grad)
             self.momentum.mul_(self.outer_momentum).add_(pseudo_grad)
-            delta = -self.outer_lr * (pseudo_grad + self.outer_momentum * self.momentum)
+            new_global = self.anchor - self.outer_lr * (pseudo_grad + self.outer_momentum * self.momentum)
+        self.anchor = new_global
+        # Move from the snapshot to the new global model, keeping what was learned locally since the launch.
+        delta = new_global - rnd.snapshot
         full = self._gather(delta)
         offset = 0
         with torch.no_grad():
@@ -177,12 +204,12 @@ class DelayedAverager:
                 offset += n
         self.rounds_applied += 1
 
-    def _gather(self, delta: torch.Tensor) -> torch.Tensor:
+    def _gather(self, delta: torch.Tensor, record: bool = True) -> torch.Tensor:
         if self.node_size == 1:
             return delta
         out = torch.empty(self.shard_numel * self.node_size, dtype=delta.dtype, device=delta.device)
         start = time.perf_counter()
         dist.all_gather_into_tensor(out, delta.contiguous(), group=self.node_group)
-        if self.recorder is not None:
+        if self.recorder is not None and record:
             self.recorder.record_blocking(out.numel() * out.element_size(), "intra", time.perf_counter() - start)
         return out

@@ -132,7 +132,7 @@ class SyncMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch = {"steps": 0, "samples": 0, "wall_s": 0.0, "bytes": 0}
+        self._epoch = _new_epoch()
 
     @override
     def on_train_batch_start(
@@ -263,6 +263,9 @@ class SyncMonitor(Callback):
         a["bytes_inter"].update(float(stats.bytes_inter))
         a["staleness_mean"].update(stats.staleness_mean)
         a["staleness_max"].update(stats.staleness_max)
+        if not self._epoch:
+            # Resuming from a checkpoint taken mid-epoch restarts inside the epoch, without on_train_epoch_start.
+            self._epoch = _new_epoch()
         ep = self._epoch
         ep["steps"] += 1
         ep["samples"] += stats.samples
@@ -288,6 +291,10 @@ class SyncMonitor(Callback):
             bar.get_metrics = original  # type: ignore[method-assign]
 
         self._restore_pbar = restore
+
+
+def _new_epoch() -> dict[str, float]:
+    return {"steps": 0, "samples": 0, "wall_s": 0.0, "bytes": 0}
 
 
 def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[str, Any]:

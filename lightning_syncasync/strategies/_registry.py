@@ -37,8 +37,14 @@ def _with_spawn(name: str, class_path: str, description: str) -> list[StrategyEn
     ]
 
 
-# The strategies that exist so far. Later issues append here: hier_sync, async_ssp, auto_sync (each with _spawn).
-STRATEGIES: list[StrategyEntry] = []
+# The strategies that exist so far. Later issues append here: async_ssp, auto_sync (each with _spawn).
+STRATEGIES: list[StrategyEntry] = [
+    *_with_spawn(
+        "hier_sync",
+        "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
+        "full sync inside a node, bounded-delay averaging across nodes",
+    ),
+]
 
 
 def _resolve(class_path: str) -> type:

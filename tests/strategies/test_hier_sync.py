@@ -1,0 +1,123 @@
+"""hier_sync on 4 gloo processes as 2 virtual nodes of 2 (spawn)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _models import TinyModel
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_syncasync.callbacks import SyncMonitor
+from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
+
+
+class RecordParams(Callback):
+    """Each rank writes its parameters after every step (spawn returns only rank 0's)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.steps: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_fit_end(self, trainer, pl_module):
+        # After the strategy's on_train_end (which drains the last cross-node round).
+        final = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        torch.save({"steps": self.steps, "final": final}, Path(self.out) / f"rank{trainer.global_rank}.pt")
+
+
+def _fit(out: Path, strategy, steps: int = 8, ckpt_path: str | None = None, callbacks=()) -> tuple[list[dict], dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False, default_root_dir=out,
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), RecordParams(str(out)),
+                   *callbacks],
+        enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(TinyModel(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)], json.loads((out / "summary.json").read_text())
+
+
+PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
+
+
+@pytest.mark.timeout(300)
+def test_synchronous_setting_equals_flat_ddp_after_every_step(tmp_path):
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"))
+    hier, summary = _fit(tmp_path / "hier", HierSyncStrategy(inter_period=1, max_delay=0, node_size=2,
+                                                             start_method="spawn"))  # fmt: skip
+    for r in range(4):
+        assert len(hier[r]["steps"]) == 8
+        for got, want in zip(hier[r]["steps"], ddp[0]["steps"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for rank in summary["ranks"]:
+        assert rank["bytes_intra_per_step"] > PARAM_BYTES  # node gradient all-reduce + in-node all-gather
+        # Each local rank sends its half of the (padded) model across nodes every step.
+        assert rank["bytes_inter_per_step"] == pytest.approx(-(-PARAM_BYTES // 8) * 4, rel=0.01)
+    assert summary["mode"] == "hier"
+
+
+@pytest.mark.timeout(300)
+def test_delayed_averaging_ends_with_one_merged_model(tmp_path):
+    res, summary = _fit(tmp_path / "delay", HierSyncStrategy(inter_period=2, max_delay=1, node_size=2,
+                                                             start_method="spawn"))  # fmt: skip
+    # Inside a node the replicas never differ; across nodes they do between averagings.
+    for step in range(8):
+        torch.testing.assert_close(res[0]["steps"][step], res[1]["steps"][step])
+        torch.testing.assert_close(res[2]["steps"][step], res[3]["steps"][step])
+    assert not torch.allclose(res[0]["steps"][0], res[2]["steps"][0])
+    # fit() drains the last round: every rank ends with the same model.
+    for r in res[1:]:
+        torch.testing.assert_close(r["final"], res[0]["final"])
+    assert all(r["bytes_inter_per_step"] > 0 for r in summary["ranks"])
+
+
+@pytest.mark.timeout(400)
+def test_resume_continues_the_same_trajectory(tmp_path):
+    strategy = dict(inter_period=1, max_delay=1, node_size=2, outer="nesterov", outer_lr=0.7, start_method="spawn")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    full, _ = _fit(tmp_path / "full", HierSyncStrategy(**strategy), callbacks=[ckpt])
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    assert "hier_sync" in torch.load(path, weights_only=True)  # the outer momentum and step travel
+    resumed, _ = _fit(tmp_path / "resumed", HierSyncStrategy(**strategy), ckpt_path=str(path),
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4)])  # fmt: skip
+    for r in range(4):
+        for got, want in zip(resumed[r]["steps"], full[r]["steps"][4:], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(200)
+def test_node_size_that_does_not_divide_the_world_fails_at_setup(tmp_path):
+    with pytest.raises(Exception, match="node_size=3 does not divide"):
+        _fit(tmp_path / "bad", HierSyncStrategy(node_size=3, start_method="spawn"), steps=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"inter_period": 0}, "inter_period"),
+        ({"max_delay": -1}, "max_delay"),
+        ({"node_size": 0}, "node_size"),
+        ({"outer": "adam"}, "outer"),
+        ({"outer_lr": -1.0}, "outer_lr"),
+        ({"outer_momentum": 1.5}, "outer_momentum"),
+        ({"model_averaging_period": 4}, "model_averaging_period"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HierSyncStrategy(**kwargs)
+
+
+def test_registered_names():
+    import lightning_syncasync  # noqa: F401
+
+    t = Trainer(strategy="hier_sync_spawn", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(t.strategy, HierSyncStrategy) and t.strategy._start_method == "spawn"
