@@ -109,7 +109,7 @@ def _trainer_conf() -> type:
     from lightning.pytorch import Trainer
 
     # callbacks and logger come from the `callbacks` and `logger` groups (dicts of named objects), assembled by
-    # the train app; the strategy comes from the `strategy` group, placed at trainer.strategy.
+    # the train app; trainer.strategy points at the top-level `strategy` node that the `strategy` group fills.
     return builds(Trainer, exclude=("callbacks", "logger"))
 
 
@@ -120,7 +120,9 @@ class TrainConfig:
     Attributes:
         task_name: name of the job (output folders, logger names).
         seed: global seed (``None``: do not seed).
-        trainer: ``lightning.pytorch.Trainer`` arguments; ``trainer.strategy`` comes from the ``strategy`` group.
+        trainer: ``lightning.pytorch.Trainer`` arguments; ``trainer.strategy`` is ``${strategy}`` by default.
+        strategy: the strategy: a ``strategy`` group config (``_target_`` + arguments, so ``strategy.max_delay=2``
+            works) or a registered name (``~strategy trainer.strategy=hier_sync``).
         model: the LightningModule (``_target_`` + arguments).
         data: the LightningDataModule.
         callbacks: named callbacks; set one to ``null`` to drop it.
@@ -134,6 +136,7 @@ class TrainConfig:
     task_name: str = "train"
     seed: Optional[int] = 42  # noqa: UP045
     trainer: Any = MISSING
+    strategy: Any = "auto"
     model: Any = MISSING
     data: Any = MISSING
     callbacks: dict[str, Any] = field(default_factory=dict)
@@ -158,6 +161,7 @@ def _schemas() -> dict[str, type]:
         TextDataModule,
         TransformerLM,
     )
+    from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
     from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
     # DDPStrategy forwards **kwargs to torch's DistributedDataParallel; these are the ones users tune.
@@ -180,6 +184,10 @@ def _schemas() -> dict[str, type]:
         "data/digits": builds(DigitsDataModule),
         "data/text": builds(TextDataModule),
         "data/synthetic": builds(SyntheticDataModule),
+        "strategy/hier_sync": builds(
+            HierSyncStrategy,
+            extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
+        ),
         "callbacks/sync_monitor": builds(SyncMonitor),
         "callbacks/straggler_emulator": builds(StragglerEmulator),
         "callbacks/model_checkpoint": builds(ModelCheckpoint),

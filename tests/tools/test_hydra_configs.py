@@ -59,8 +59,18 @@ def test_every_strategy_config(strategy):
     assert isinstance(obj, Strategy)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=False)
     trainer_cfg.pop("default_root_dir")
+    trainer_cfg["strategy"] = OmegaConf.to_container(cfg.strategy, resolve=True)
     trainer = _build({**trainer_cfg, "logger": False})
     assert isinstance(trainer, Trainer) and trainer.world_size == 2
+
+
+def test_strategy_arguments_are_set_under_strategy():
+    cfg = _compose("strategy=hier_sync", "strategy.max_delay=2", "strategy.node_size=2")
+    assert cfg.trainer.strategy.max_delay == 2  # the Trainer sees what `strategy.` set
+    obj = _build(cfg.trainer.strategy)
+    assert (type(obj).__name__, obj.max_delay, obj.node_size) == ("HierSyncStrategy", 2, 2)
+    with pytest.raises(ConfigCompositionException, match="max_delay"):
+        _compose("strategy=hier_sync", "strategy.max_delay=soon")
 
 
 @pytest.mark.parametrize("option", [o for o in _options("callbacks")])
