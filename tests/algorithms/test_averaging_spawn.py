@@ -88,3 +88,54 @@ def test_outer_nesterov_step():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DelayedAverager([torch.zeros(2)], None, None, 0, 2, 2, **kwargs)
+
+
+def _random_updates(rank: int, world: int, max_delay: int, steps: int) -> list[torch.Tensor]:
+    topo = Topology(world, 2)
+    node_group, cross_group = _groups(rank, topo)
+    node = topo.node_of(rank)
+    w = [torch.zeros(5), torch.zeros(3, 2)]
+    avg = DelayedAverager(w, cross_group, node_group, topo.local_rank_of(rank), 2, 2, inter_period=1,
+                          max_delay=max_delay)  # fmt: skip
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * node + step)  # node-identical, element-varying updates
+        with torch.no_grad():
+            for t in w:
+                t.add_(torch.randn(t.shape, generator=g))
+        avg.after_step()
+        out.append(torch.cat([t.flatten().clone() for t in w]))
+    return out
+
+
+def _simulate(max_delay: int, steps: int) -> list[list[torch.Tensor]]:
+    """Reference in one process: x_n += u_n; rounds launched on snapshots, applied max_delay steps later."""
+    x = [torch.zeros(11), torch.zeros(11)]
+    pending: list[tuple[int, list[torch.Tensor]]] = []
+    hist: list[list[torch.Tensor]] = [[], []]
+    for step in range(1, steps + 1):
+        for n in range(2):
+            g = torch.Generator().manual_seed(100 * n + step - 1)
+            x[n] = x[n] + torch.cat([torch.randn(5, generator=g), torch.randn(3, 2, generator=g).flatten()])
+        while pending and step - pending[0][0] >= max_delay:
+            _, snaps = pending.pop(0)
+            mean = (snaps[0] + snaps[1]) / 2
+            x = [x[n] + mean - snaps[n] for n in range(2)]
+        pending.append((step, [t.clone() for t in x]))
+        if max_delay == 0:
+            _, snaps = pending.pop(0)
+            mean = (snaps[0] + snaps[1]) / 2
+            x = [mean.clone(), mean.clone()]
+        for n in range(2):
+            hist[n].append(x[n].clone())
+    return hist
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_delay", [0, 1, 2])
+def test_element_wise_against_a_single_process_reference(max_delay):
+    res = run_distributed(_random_updates, 4, max_delay, 5)
+    ref = _simulate(max_delay, 5)
+    for rank, steps in enumerate(res):
+        for got, want in zip(steps, ref[rank // 2], strict=True):
+            torch.testing.assert_close(got, want)
