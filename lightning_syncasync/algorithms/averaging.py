@@ -34,6 +34,21 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 Outer = Literal["average", "nesterov"]
 
 
+def check_settings(inter_period: int, max_delay: int, outer: str, outer_lr: float, outer_momentum: float) -> None:
+    """Validate the averaging settings (shared by :class:`DelayedAverager` and the strategies built on it, which
+    check them at construction, before any process starts)."""
+    if inter_period < 1:
+        raise ValueError(f"inter_period must be >= 1, got {inter_period}; HINT: 1 averages across nodes every step")
+    if max_delay < 0:
+        raise ValueError(f"max_delay must be >= 0, got {max_delay}; HINT: 0 is synchronous, 1 allows one step of lag")
+    if outer not in ("average", "nesterov"):
+        raise ValueError(f"outer must be 'average' or 'nesterov', got {outer!r}")
+    if outer_lr <= 0:
+        raise ValueError(f"outer_lr must be > 0, got {outer_lr}; HINT: 1.0 with outer_momentum=0 is plain averaging")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}; HINT: DiLoCo uses 0.9")
+
+
 @dataclass
 class _Round:
     step: int
@@ -81,16 +96,7 @@ class DelayedAverager:
         outer_momentum: float = 0.9,
         recorder: StatsRecorder | None = None,
     ) -> None:
-        if inter_period < 1:
-            raise ValueError(f"inter_period must be >= 1, got {inter_period}")
-        if max_delay < 0:
-            raise ValueError(f"max_delay must be >= 0, got {max_delay}")
-        if outer not in ("average", "nesterov"):
-            raise ValueError(f"outer must be 'average' or 'nesterov', got {outer!r}")
-        if outer_lr <= 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
         if not 0 <= local_rank < node_size:
             raise ValueError(f"local_rank must be in [0, {node_size}), got {local_rank}")
         if not tensors:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms.averaging import DelayedAverager
+from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
@@ -68,18 +68,9 @@ class HierSyncStrategy(DDPStrategy):
         outer_momentum: float = 0.9,
         **kwargs: Any,
     ) -> None:
-        if inter_period < 1:
-            raise ValueError(f"inter_period must be >= 1, got {inter_period}; HINT: strategy.inter_period=1")
-        if max_delay < 0:
-            raise ValueError(f"max_delay must be >= 0, got {max_delay}; HINT: 0 is synchronous, 1 is the default")
+        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
         if node_size is not None and node_size < 1:
             raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
-        if outer not in ("average", "nesterov"):
-            raise ValueError(f"outer must be 'average' or 'nesterov', got {outer!r}")
-        if outer_lr <= 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
             raise ValueError("hier_sync does its own cross-node averaging; drop ddp_comm_hook/model_averaging_period")
         super().__init__(**kwargs)
