@@ -196,8 +196,8 @@ class EmulatedCluster:
     def run(self, command: Command, timeout_s: float | None = None) -> EmulationReport:
         """Run ``command`` (or ``command(rank)``) on every rank; ``{rank}`` in arguments is replaced by the rank."""
         report = EmulationReport(
-            nodes=self.nodes, procs_per_node=self.procs_per_node, link_mbit=None if self.independent else self.link_mbit,
-            netns=self.netns and not self.independent,
+            nodes=self.nodes, procs_per_node=self.procs_per_node,
+            link_mbit=None if self.independent else self.link_mbit, netns=self.netns and not self.independent,
             cpu_mode="cgroup" if self.use_cgroups else "sleep", cores_per_rank=self.cores_per_rank(),
             stragglers=self.stragglers, jitter=self.jitter, schedule=self.schedule, seed=self.seed,
             independent=self.independent,
