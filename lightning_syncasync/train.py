@@ -45,12 +45,7 @@ def validate_config(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     devices = trainer.get("devices", "auto")
     accelerator = str(trainer.get("accelerator", "auto"))
-    if (
-        isinstance(devices, int)
-        and devices == 0
-        or devices in ("0", [], "")
-        or (isinstance(devices, int) and devices < -1)
-    ):
+    if (isinstance(devices, int) and (devices == 0 or devices < -1)) or devices in ("0", "", []):
         raise ValueError(
             f"trainer.devices={devices!r} is impossible; HINT: use a positive count (trainer.devices=2), -1 or 'auto'"
         )
