@@ -51,6 +51,13 @@ class Topology:
             raise ValueError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}")
         return cls(world_size=world_size, node_size=world_size // num_nodes)
 
+    @classmethod
+    def from_cluster(cls, world_size: int, num_nodes: int, node_size: int | None = None) -> Topology:
+        """The strategies' topology: the virtual ``node_size`` when given, else the real nodes of the cluster."""
+        if node_size is None:
+            return cls.from_num_nodes(world_size, num_nodes)
+        return cls(world_size=world_size, node_size=node_size)
+
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.node_size
@@ -74,6 +81,14 @@ class Topology:
         if not 0 <= local_rank < self.node_size:
             raise ValueError(f"local_rank must be in [0, {self.node_size}), got {local_rank}")
         return [node * self.node_size + local_rank for node in range(self.num_nodes)]
+
+    def all_nodes(self) -> list[list[int]]:
+        """Every node's ranks: the enumeration ``torch.distributed.new_subgroups_by_enumeration`` takes."""
+        return [self.node_ranks(n) for n in range(self.num_nodes)]
+
+    def all_cross_node(self) -> list[list[int]]:
+        """For every local rank, the ranks holding it on each node (the inter-node groups)."""
+        return [self.cross_node_ranks(i) for i in range(self.node_size)]
 
     def spans_nodes(self, ranks: list[int] | None = None) -> bool:
         """Whether a group of ``ranks`` (default: the whole world) crosses a node boundary."""

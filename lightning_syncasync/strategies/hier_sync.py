@@ -95,17 +95,13 @@ class HierSyncStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        node_size = self.node_size or self.world_size // self.num_nodes
-        topo = Topology(world_size=self.world_size, node_size=node_size)  # validates node_size | world_size
+        topo = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size)  # checks node_size | world
         self.topology = topo
-        nodes = [topo.node_ranks(n) for n in range(topo.num_nodes)]
         # Every rank creates every group, in the same order (torch requires it). DDP and the averager get separate
         # node groups so that their collectives never interleave on one group.
-        self._node_group, _ = dist.new_subgroups_by_enumeration(nodes)
-        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(nodes)
-        self._cross_group, _ = dist.new_subgroups_by_enumeration(
-            [topo.cross_node_ranks(i) for i in range(topo.node_size)]
-        )
+        self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+        self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:

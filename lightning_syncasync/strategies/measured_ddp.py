@@ -98,8 +98,7 @@ class MeasuredDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        node_size = self.node_size or self.world_size // self.num_nodes
-        self.topology = Topology(world_size=self.world_size, node_size=node_size)
+        self.topology = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -113,7 +112,7 @@ class MeasuredDDPStrategy(DDPStrategy):
         state: Any = self._ddp_comm_state
         if self.local_sgd is not None:
             # Node groups must be created on every rank in the same order; new_subgroups_by_enumeration does that.
-            node_group, _ = dist.new_subgroups_by_enumeration([topo.node_ranks(n) for n in range(topo.num_nodes)])
+            node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
             state = PostLocalSGDState(
                 process_group=None,
                 subgroup=node_group,

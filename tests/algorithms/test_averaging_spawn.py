@@ -13,8 +13,8 @@ from lightning_syncasync.testing import run_distributed
 
 
 def _groups(rank: int, topo: Topology):
-    node, _ = dist.new_subgroups_by_enumeration([topo.node_ranks(n) for n in range(topo.num_nodes)])
-    cross, _ = dist.new_subgroups_by_enumeration([topo.cross_node_ranks(i) for i in range(topo.node_size)])
+    node, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+    cross, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
     return node, cross
 
 

@@ -15,6 +15,14 @@ def test_virtual_nodes_of_two():
     assert t.spans_nodes() and not t.spans_nodes([2, 3]) and t.spans_nodes([1, 2])
 
 
+def test_from_cluster_and_enumerations():
+    assert Topology.from_cluster(world_size=4, num_nodes=1) == Topology(4, 4)
+    virtual = Topology.from_cluster(world_size=4, num_nodes=1, node_size=2)
+    assert virtual.all_nodes() == [[0, 1], [2, 3]] and virtual.all_cross_node() == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="node_size=3"):
+        Topology.from_cluster(world_size=4, num_nodes=1, node_size=3)
+
+
 def test_from_num_nodes():
     t = Topology.from_num_nodes(world_size=8, num_nodes=2)
     assert t.node_size == 4 and t.node_ranks(0) == [0, 1, 2, 3]
