@@ -17,18 +17,32 @@ free because the node already agrees); the corrections are then all-gathered ins
 
 With ``inter_period=1``, ``max_delay=0`` and plain averaging, a step of SGD followed by the average equals flat
 data-parallel SGD over all ranks (the mean of the node updates is the update of the mean gradient).
+
+Compression of the inter-node hop (a :class:`~lightning_syncasync.algorithms.compression.Compressor`) is applied to
+the shard's distance from the last global model (``snapshot - anchor``, small and centred on zero, what DiLoCo-style
+methods compress), never to the weights themselves, with error feedback. Compressed exchanges are blocking
+collectives, so they run on a daemon thread of their own (the cross-node group is used by nothing else).
+
+A lost peer cannot hang the run: the cross-node group has a timeout (``timeout_s``), and a failed or timed-out round
+raises :class:`PeerLostError` naming the ranks on the other end.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
 Outer = Literal["average", "nesterov"]
@@ -49,12 +63,44 @@ def check_settings(inter_period: int, max_delay: int, outer: str, outer_lr: floa
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}; HINT: DiLoCo uses 0.9")
 
 
+class PeerLostError(RuntimeError):
+    """A cross-node collective failed or timed out: a peer died, hung or became unreachable."""
+
+
 @dataclass
 class _Round:
     step: int
     snapshot: torch.Tensor  # this rank's shard of the node model at launch
-    buffer: torch.Tensor  # the all-reduced (summed) shard, valid once `work` is done
-    work: dist.Work
+    base: torch.Tensor  # the anchor at launch: compressed rounds exchange snapshot - base
+    buffer: torch.Tensor | None  # uncompressed: the all-reduced (summed) shard, valid once `work` is done
+    work: dist.Work | Future[torch.Tensor]  # compressed: a future of the mean of (snapshot - base)
+    launched_at: float
+
+
+class _CommThread:
+    """One daemon thread that runs blocking collectives in submission order (so every rank issues them in the same
+    order). Daemon: a collective stuck on a dead peer must not keep the interpreter from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            try:
+                fut.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(err)
 
 
 class DelayedAverager:
@@ -71,6 +117,9 @@ class DelayedAverager:
             pseudo-gradient, DiLoCo).
         outer_lr, outer_momentum: the outer optimizer's settings (``outer="nesterov"``).
         recorder: where bytes and wait time go.
+        compressor: compression of the cross-node exchange (``None``: plain fp32 all-reduce).
+        timeout_s: how long a round may wait for its peers before :class:`PeerLostError`; bounds the cross-node
+            group's collectives too when the group was created with it (see :meth:`timeout`).
 
     Example::
 
@@ -95,8 +144,12 @@ class DelayedAverager:
         outer_lr: float = 1.0,
         outer_momentum: float = 0.9,
         recorder: StatsRecorder | None = None,
+        compressor: Compressor | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not 0 <= local_rank < node_size:
             raise ValueError(f"local_rank must be in [0, {node_size}), got {local_rank}")
         if not tensors:
@@ -107,6 +160,13 @@ class DelayedAverager:
         self.inter_period, self.max_delay = inter_period, max_delay
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.recorder = recorder
+        self.compressor = compressor if compressor is not None and compressor.method != "none" else None
+        self.timeout_s = timeout_s
+        self._thread: _CommThread | None = None
+        self.peers: list[int] = []
+        if cross_group is not None and num_nodes > 1:
+            me = dist.get_rank()
+            self.peers = [r for r in dist.get_process_group_ranks(cross_group) if r != me]
         numel = sum(t.numel() for t in tensors)
         self.shard_numel = -(-numel // node_size)  # ceil: the last shard is padded
         self.numel = numel
@@ -135,13 +195,27 @@ class DelayedAverager:
         while self.pending:
             self._apply(self.pending.popleft())
 
+    def close(self) -> None:
+        """Drain and stop the communication thread."""
+        try:
+            self.drain()
+        finally:
+            if self._thread is not None:
+                self._thread.close()
+                self._thread = None
+
+    @staticmethod
+    def timeout(timeout_s: float) -> timedelta:
+        """The process-group timeout to create the cross-node group with, so a collective on a hung peer fails."""
+        return timedelta(seconds=timeout_s)
+
     def synchronize(self) -> None:
         """A consistent cut: drain, then one more round applied at once, after which every node holds the same
         model (the new global model). Checkpoints are taken here, so a resumed run starts from exactly the model
         and outer state the uninterrupted run continues from."""
         self.drain()
         if self.num_nodes > 1:
-            self._launch()
+            self._launch(exact=True)
             self._apply(self.pending.popleft())
 
     def state_dict(self) -> dict[str, object]:
@@ -150,7 +224,11 @@ class DelayedAverager:
         if self.pending:
             raise RuntimeError("synchronize() the averager before state_dict(): rounds are still in flight")
         momentum = None if self.momentum is None else self._gather(self.momentum, record=False)[: self.numel].clone()
-        return {"step": self.step, "momentum": momentum, "rounds_applied": self.rounds_applied}
+        state: dict[str, object] = {"step": self.step, "momentum": momentum, "rounds_applied": self.rounds_applied}
+        if self.compressor is not None:
+            # After synchronize() the residuals are empty and the PowerSGD factors are the same on every node.
+            state["compression"] = self.compressor.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore after the model's weights were loaded (the anchor is taken from them)."""
@@ -163,6 +241,14 @@ class DelayedAverager:
             full = torch.nn.functional.pad(momentum, (0, self.shard_numel * self.node_size - momentum.numel()))  # type: ignore[arg-type]
             lo = self.local_rank * self.shard_numel
             self.momentum = full[lo : lo + self.shard_numel].clone()
+        comp = state.get("compression")
+        if self.compressor is not None and comp is not None:
+            self.compressor.load_state_dict(comp)  # type: ignore[arg-type]
+        elif self.compressor is not None or comp is not None:
+            raise ValueError(
+                "the checkpoint was saved with a different inter-node compression than this run's "
+                f"({'none' if self.compressor is None else self.compressor.method}); HINT: resume with the same setting"
+            )
         self.anchor = self._shard()  # the restored weights are a consistent cut: the global model
 
     # -- internals -------------------------------------------------------------------------------------------
@@ -176,20 +262,55 @@ class DelayedAverager:
         lo = self.local_rank * self.shard_numel
         return self._flat()[lo : lo + self.shard_numel].clone()
 
-    def _launch(self) -> None:
+    def _launch(self, exact: bool = False) -> None:
         snapshot = self._shard()
-        buffer = snapshot.clone()
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
-        if self.recorder is not None:
-            self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
-        self.pending.append(_Round(self.step, snapshot, buffer, work))
+        now = time.perf_counter()
+        if self.compressor is None or exact:
+            buffer = snapshot.clone()
+            if self.compressor is not None:
+                residual = self.compressor.residuals.pop("shard", None)
+                if residual is not None:
+                    buffer += residual
+            work: Any = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
+            if self.recorder is not None:
+                self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
+            self.pending.append(_Round(self.step, snapshot, self.anchor, buffer, work, now))
+            return
+        if self._thread is None:
+            self._thread = _CommThread("syncasync-inter-node")
+        compressor, group, recorder, delta = self.compressor, self.cross_group, self.recorder, snapshot - self.anchor
+
+        def exchange() -> torch.Tensor:
+            mean, nbytes = compressor.allreduce(delta, group, key="shard")
+            if recorder is not None:
+                recorder.record_blocking(nbytes, "inter", 0.0)  # measured from the payload, when it is known
+            return mean
+
+        self.pending.append(_Round(self.step, snapshot, self.anchor, None, self._thread.submit(exchange), now))
+
+    def _wait(self, rnd: _Round) -> torch.Tensor:
+        """The average of the snapshots of ``rnd`` across nodes; a failure or timeout becomes PeerLostError."""
+        try:
+            if isinstance(rnd.work, Future):
+                # The group's own timeout fails the collective first; this bound is the backstop.
+                return rnd.base + rnd.work.result(timeout=self.timeout_s + 30.0)
+            rnd.work.wait()
+            assert rnd.buffer is not None
+            return rnd.buffer / self.num_nodes
+        except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, futures TimeoutError
+            waited = time.perf_counter() - rnd.launched_at
+            who = f"rank {self.peers[0]}" if len(self.peers) == 1 else f"one of ranks {self.peers}"
+            raise PeerLostError(
+                f"rank {dist.get_rank()}: the inter-node average launched at step {rnd.step} failed after "
+                f"{waited:.1f}s: lost peer {who} (this rank's cross-node group). Cause: {err}. HINT: the bound is "
+                f"timeout_s={self.timeout_s:g}; check that rank's log, then resume from the last checkpoint"
+            ) from err
 
     def _apply(self, rnd: _Round) -> None:
         start = time.perf_counter()
-        rnd.work.wait()
+        average = self._wait(rnd)
         if self.recorder is not None:
             self.recorder.record_wait(time.perf_counter() - start)
-        average = rnd.buffer / self.num_nodes
         if self.outer == "average":
             new_global = average
         else:

@@ -6,9 +6,8 @@ the node replicas are averaged across nodes by :class:`~lightning_syncasync.algo
 every ``inter_period`` steps, in the background, its result applied ``max_delay`` steps later as an additive
 correction. See that module for the algorithm and the papers.
 
-.. warning:: Experimental. Not yet covered: compression of the inter-node hop (the compression issue) and a
-   full-budget, repeated measurement of the defaults. Checkpoints are taken at a consistent cut (one extra
-   cross-node average applied at once), so resuming is exact and the saved model is the merged one.
+Checkpoints are taken at a consistent cut (one extra, exact cross-node average applied at once, which also flushes
+the compression residuals), so resuming is exact and the saved model is the merged one.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
+from lightning_syncasync.algorithms.compression import Compressor, check_method
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 
@@ -51,6 +51,11 @@ class HierSyncStrategy(DDPStrategy):
         outer: ``"average"`` or ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo).
         outer_lr: outer learning rate (``outer="nesterov"``).
         outer_momentum: outer momentum (``outer="nesterov"``).
+        compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``sign`` or
+            ``powersgd`` (with error feedback; see ``algorithms/compression.py``).
+        compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
+        peer_timeout_s: how long an inter-node average may wait for a peer; past it (or as soon as gloo/NCCL sees
+            the peer gone) the run ends with an error naming the lost rank instead of hanging.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
 
     Example::
@@ -69,9 +74,17 @@ class HierSyncStrategy(DDPStrategy):
         outer: Literal["average", "nesterov"] = "average",
         outer_lr: float = 1.0,
         outer_momentum: float = 0.9,
+        compression: str = "none",
+        compression_options: dict[str, Any] | None = None,
+        peer_timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
+        check_method(compression, "compression")
+        if peer_timeout_s <= 0:
+            raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
+        # Build one now so that bad compression_options fail at construction, not in every process later.
+        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
         if node_size is not None and node_size < 1:
             raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
         if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
@@ -83,6 +96,9 @@ class HierSyncStrategy(DDPStrategy):
         self.outer = outer
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
+        self.compression = compression
+        self.compression_options = dict(compression_options or {})
+        self.peer_timeout_s = peer_timeout_s
         self.sync_stats = StatsRecorder(mode="hier")
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None
@@ -100,8 +116,9 @@ class HierSyncStrategy(DDPStrategy):
         # Every rank creates every group, in the same order (torch requires it). DDP and the averager get separate
         # node groups so that their collectives never interleave on one group.
         self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
-        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
-        self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
+        timeout = DelayedAverager.timeout(self.peer_timeout_s)
+        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
+        self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
@@ -141,6 +158,8 @@ class HierSyncStrategy(DDPStrategy):
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
             recorder=self.sync_stats,
+            compressor=Compressor(self.compression, seed=self.global_rank, **self.compression_options),  # type: ignore[arg-type]
+            timeout_s=self.peer_timeout_s,
         )
         if self._restored is not None:
             self.averager.load_state_dict(self._restored)  # after the broadcast: the weights are the checkpoint's
@@ -163,9 +182,10 @@ class HierSyncStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Checkpoints hold a consistent model: apply every round in flight first (all ranks save together).
+        # Checkpoints hold a consistent cut: every node the same model, no residual held back (all ranks save
+        # together, so this collective is safe here).
         if self.averager is not None:
-            self.averager.drain()
+            self.averager.synchronize()
         return super().lightning_module_state_dict()
 
     @override
@@ -190,7 +210,7 @@ class HierSyncStrategy(DDPStrategy):
         # Wait for in-flight communication before the process groups go away.
         if self.averager is not None:
             try:
-                self.averager.drain()
+                self.averager.close()
             finally:
                 self.averager = None
         super().teardown()

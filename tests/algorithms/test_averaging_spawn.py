@@ -139,3 +139,81 @@ def test_element_wise_against_a_single_process_reference(max_delay):
     for rank, steps in enumerate(res):
         for got, want in zip(steps, ref[rank // 2], strict=True):
             torch.testing.assert_close(got, want)
+
+
+def _compressed(rank: int, world: int, method: str, steps: int) -> dict:
+    from lightning_syncasync.algorithms.compression import Compressor
+
+    topo = Topology(world, 2)
+    node_group, cross_group = _groups(rank, topo)
+    node = topo.node_of(rank)
+    w = [torch.zeros(300), torch.zeros(20, 10)]
+    rec = StatsRecorder()
+    avg = DelayedAverager(w, cross_group, node_group, topo.local_rank_of(rank), 2, 2, inter_period=1, max_delay=1,
+                          recorder=rec, compressor=Compressor(method, seed=rank))  # fmt: skip
+    inter = 0
+    for step in range(steps):
+        rec.begin_step()
+        g = torch.Generator().manual_seed(100 * node + step)
+        with torch.no_grad():
+            for t in w:
+                t.add_(torch.randn(t.shape, generator=g))
+        avg.after_step()
+        inter += rec.end_step(step, 1).bytes_inter
+    rec.begin_step()
+    avg.synchronize()  # the exact round that flushes the residuals
+    avg.close()
+    inter += rec.end_step(steps, 1).bytes_inter
+    return {"final": torch.cat([t.flatten().clone() for t in w]), "inter": inter, "residuals": avg.compressor.residuals}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["int8", "sign"])
+def test_compressed_rounds_lose_nothing_at_a_consistent_cut(method):
+    steps = 6
+    res = run_distributed(_compressed, 4, method, steps)
+    # Every update of both nodes is in the final model once: the mean of the two nodes' summed updates.
+    total = torch.zeros(2, 500)
+    for node in range(2):
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * node + step)
+            total[node] += torch.cat([torch.randn(300, generator=g), torch.randn(20, 10, generator=g).flatten()])
+    want = total.mean(0)
+    for r in res:
+        torch.testing.assert_close(r["final"], want, atol=1e-4, rtol=1e-4)
+        assert r["residuals"] == {}
+    # Each rank sends its 250-element shard compressed every step, then once uncompressed at the cut.
+    limit = {"int8": 0.26, "sign": 0.04}[method]
+    for r in res:
+        assert steps * 250 * 4 * limit * 0.5 < r["inter"] - 250 * 4 <= steps * 250 * 4 * limit
+
+
+def _hung_peer(rank: int, world: int, timeout_s: float) -> dict:
+    import time
+
+    from lightning_syncasync.algorithms.averaging import PeerLostError
+
+    topo = Topology(world, 1)  # 2 nodes of 1 rank
+    node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+    cross_group, _ = dist.new_subgroups_by_enumeration(
+        topo.all_cross_node(), timeout=DelayedAverager.timeout(timeout_s)
+    )
+    avg = DelayedAverager([torch.zeros(4)], cross_group, node_group, 0, 1, 2, max_delay=0, timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(timeout_s + 6)  # hung: never joins the average
+        return {}
+    start = time.perf_counter()
+    try:
+        avg.after_step()
+    except PeerLostError as err:
+        return {"error": str(err), "after_s": time.perf_counter() - start}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_peer_ends_the_round_with_an_error_naming_it():
+    timeout_s = 3.0
+    res = run_distributed(_hung_peer, 2, timeout_s, timeout_s=30)
+    err = res[0]["error"]
+    assert err is not None and "lost peer rank 1" in err and "timeout_s=3" in err, err
+    assert timeout_s - 0.5 <= res[0]["after_s"] <= timeout_s + 5

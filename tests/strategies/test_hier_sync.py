@@ -80,8 +80,16 @@ def test_delayed_averaging_ends_with_one_merged_model(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_resume_continues_the_same_trajectory(tmp_path):
-    strategy = dict(inter_period=1, max_delay=1, node_size=2, outer="nesterov", outer_lr=0.7, start_method="spawn")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"outer": "nesterov", "outer_lr": 0.7},
+        {"compression": "int8", "compression_options": {"rounding": "stochastic"}},
+    ],
+    ids=["nesterov", "int8"],
+)
+def test_resume_continues_the_same_trajectory(tmp_path, extra):
+    strategy = dict(inter_period=1, max_delay=1, node_size=2, start_method="spawn", **extra)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     full, _ = _fit(tmp_path / "full", HierSyncStrategy(**strategy), callbacks=[ckpt])
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
@@ -109,6 +117,9 @@ def test_node_size_that_does_not_divide_the_world_fails_at_setup(tmp_path):
         ({"outer_lr": -1.0}, "outer_lr"),
         ({"outer_momentum": 1.5}, "outer_momentum"),
         ({"model_averaging_period": 4}, "model_averaging_period"),
+        ({"compression": "int4"}, "compression must be one of"),
+        ({"compression": "powersgd", "compression_options": {"rank": 0}}, "rank must be"),
+        ({"peer_timeout_s": 0}, "peer_timeout_s"),
     ],
 )
 def test_bad_arguments(kwargs, match):
