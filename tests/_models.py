@@ -26,3 +26,12 @@ class TinyModel(LightningModule):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(256, 8, generator=g)
         return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+
+
+class TinyOneBitModel(TinyModel):
+    """TinyModel trained with 1-bit Adam (3 warm-up steps)."""
+
+    def configure_optimizers(self):
+        from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+
+        return OneBitAdam(self.parameters(), lr=0.01, warmup_steps=3)

@@ -29,11 +29,8 @@ raises :class:`PeerLostError` naming the ranks on the other end.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms._comm_thread import CommThread
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
@@ -75,32 +73,6 @@ class _Round:
     buffer: torch.Tensor | None  # uncompressed: the all-reduced (summed) shard, valid once `work` is done
     work: dist.Work | Future[torch.Tensor]  # compressed: a future of the mean of (snapshot - base)
     launched_at: float
-
-
-class _CommThread:
-    """One daemon thread that runs blocking collectives in submission order (so every rank issues them in the same
-    order). Daemon: a collective stuck on a dead peer must not keep the interpreter from exiting."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._jobs.put((fn, fut))
-        return fut
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            try:
-                fut.set_result(fn())
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-                fut.set_exception(err)
 
 
 class DelayedAverager:
@@ -162,7 +134,7 @@ class DelayedAverager:
         self.recorder = recorder
         self.compressor = compressor if compressor is not None and compressor.method != "none" else None
         self.timeout_s = timeout_s
-        self._thread: _CommThread | None = None
+        self._thread: CommThread | None = None
         self.peers: list[int] = []
         if cross_group is not None and num_nodes > 1:
             me = dist.get_rank()
@@ -277,7 +249,7 @@ class DelayedAverager:
             self.pending.append(_Round(self.step, snapshot, self.anchor, buffer, work, now))
             return
         if self._thread is None:
-            self._thread = _CommThread("syncasync-inter-node")
+            self._thread = CommThread("syncasync-inter-node")
         compressor, group, recorder, delta = self.compressor, self.cross_group, self.recorder, snapshot - self.anchor
 
         def exchange() -> torch.Tensor:

@@ -80,3 +80,25 @@ class MeasuredAllReduce:
             return f.value()
 
         return fut.then(_done)
+
+
+class SkipWhen:
+    """Inner-hook state for :meth:`SkipWhen.hook`: all-reduce a bucket unless ``skip()`` says the gradients stay
+    local (1-bit Adam after its warm-up exchanges momenta instead).
+
+    Args:
+        skip: called per bucket; ``True`` returns the local gradients without communication.
+        process_group: the group to all-reduce over otherwise.
+    """
+
+    def __init__(self, skip: Callable[[], bool], process_group: dist.ProcessGroup | None = None) -> None:
+        self.skip = skip
+        self.process_group = process_group
+
+    @staticmethod
+    def hook(state: "SkipWhen", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if state.skip():
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        return allreduce_hook(state.process_group, bucket)

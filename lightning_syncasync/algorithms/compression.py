@@ -123,7 +123,6 @@ class Compressor:
         same ``shapes`` in the same order. ``shapes`` (``powersgd`` only) splits the flat tensor into matrices.
         """
         key = str(key)
-        self.calls += 1
         flat = tensor.detach().reshape(-1).float()
         if self.error_feedback and key in self.residuals:
             residual = self.residuals[key]
@@ -133,28 +132,42 @@ class Compressor:
                     "error feedback needs one key per tensor"
                 )
             flat = flat + residual
+        mean, own, nbytes = self.exchange(flat, group, key, shapes)
+        if self.error_feedback:
+            self.residuals[key] = flat - own
+        return mean.view_as(tensor).to(tensor.dtype), nbytes
+
+    def exchange(
+        self,
+        flat: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        key: str = "",
+        shapes: list[torch.Size] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The compressed mean of a flat fp32 tensor without error feedback: ``(mean, own, bytes sent)``, where
+        ``own`` is what the other ranks received from this one (``flat - own`` is what compression dropped; for
+        ``powersgd``, the averaged approximation, as in torch's hook). For callers that keep residuals their own
+        way (the DDP hook keeps them per parameter, since DDP may rebuild its buckets). ``key`` names the
+        ``powersgd`` factors."""
+        self.calls += 1
         world = dist.get_world_size(group)
         if self.method == "none":
             out = flat.clone()
             dist.all_reduce(out, group=group)
-            return (out / world).view_as(tensor).to(tensor.dtype), out.numel() * out.element_size()
+            return out / world, flat, out.numel() * out.element_size()
         if self.method in ("fp16", "bf16"):
             half = (flat / world).to(torch.float16 if self.method == "fp16" else torch.bfloat16)
             own = half.float() * world
             dist.all_reduce(half, group=group)
-            mean, nbytes = half.float(), half.numel() * half.element_size()
-        elif self.method in ("int8", "sign"):
+            return half.float(), own, half.numel() * half.element_size()
+        if self.method in ("int8", "sign"):
             payload, own = self._encode(flat)
             gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
             _all_gather(gathered, payload, group)
-            mean = sum(self._decode(p, flat.numel()) for p in gathered.chunk(world)) / world  # type: ignore[assignment]
-            nbytes = payload.numel() * payload.element_size()
-        else:
-            mean, nbytes = self._powersgd(flat, group, key, world, shapes)
-            own = mean  # residual against the averaged approximation (torch's powerSGD_hook)
-        if self.error_feedback:
-            self.residuals[key] = flat - own
-        return mean.view_as(tensor).to(tensor.dtype), nbytes
+            mean = sum(self._decode(p, flat.numel()) for p in gathered.chunk(world)) / world
+            return mean, own, payload.numel() * payload.element_size()  # type: ignore[return-value]
+        mean, nbytes = self._powersgd(flat, group, str(key), world, shapes)
+        return mean, mean, nbytes
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 

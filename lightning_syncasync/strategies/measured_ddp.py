@@ -17,6 +17,11 @@ Modes (``local_sgd``):
 * ``"hierarchical"``: full DDP for ``warmup_steps``, then no gradient communication; parameters are averaged inside
   each node every step and across all ranks every ``averaging_period`` steps (``HierarchicalModelAverager`` with
   ``{1: node_size, averaging_period: world_size}``).
+
+``compression`` (``fp16``, ``bf16``, ``int8``, ``sign``, ``powersgd``) replaces the flat all-reduce with the
+compressed one of :class:`~lightning_syncasync.algorithms.compressed_hook.CompressedAllReduce` (error feedback per
+parameter, bytes measured from the payload). Its residuals and PowerSGD factors are saved in checkpoints, every
+rank's own (they differ per rank), so a resumed run continues the same trajectory.
 """
 
 from __future__ import annotations
@@ -37,13 +42,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
+from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
+from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
+from lightning_syncasync.algorithms.compression import Compressor, check_method
+from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 
 log = logging.getLogger(__name__)
 
 LocalSGD = Literal["post_local_sgd", "hierarchical"]
+_CKPT_KEY = "syncasync_compression"
+_ONEBIT_KEY = "syncasync_onebit_adam"
 _MODES = (None, "post_local_sgd", "hierarchical")
 
 
@@ -56,6 +66,9 @@ class MeasuredDDPStrategy(DDPStrategy):
         warmup_steps: steps of plain DDP before local SGD starts.
         node_size: ranks per node; default from the cluster (``world_size // num_nodes``). A smaller value forms
             virtual nodes so that one machine can exercise the hierarchy.
+        compression: compress the gradient all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``, ``sign``,
+            ``powersgd`` (``local_sgd=None`` only).
+        compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...). A user
             ``ddp_comm_hook``/``ddp_comm_state`` is registered on every device type and measured.
 
@@ -70,8 +83,17 @@ class MeasuredDDPStrategy(DDPStrategy):
         averaging_period: int = 8,
         warmup_steps: int = 0,
         node_size: int | None = None,
+        compression: str = "none",
+        compression_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        check_method(compression, "compression")
+        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]  # bad options fail here
+        if compression != "none" and (local_sgd is not None or kwargs.get("ddp_comm_hook")):
+            raise ValueError(
+                f"compression={compression!r} compresses the flat gradient all-reduce; it cannot be combined with "
+                "local_sgd or a ddp_comm_hook. HINT: use hier_sync with compression for compressed periodic averaging"
+            )
         if local_sgd not in _MODES:
             raise ValueError(f"local_sgd must be one of {_MODES}, got {local_sgd!r}")
         if averaging_period < 1:
@@ -90,6 +112,10 @@ class MeasuredDDPStrategy(DDPStrategy):
         self.averaging_period = averaging_period
         self.warmup_steps = warmup_steps
         self.node_size = node_size
+        self.compression = compression
+        self.compression_options = dict(compression_options or {})
+        self._compressed: CompressedAllReduce | None = None
+        self._restored_compression: dict[str, Any] | None = None
         self.sync_stats = StatsRecorder(mode="sync" if local_sgd is None else "hier")
         self.topology: Topology | None = None
         self._averager: ModelAverager | None = None
@@ -126,6 +152,24 @@ class MeasuredDDPStrategy(DDPStrategy):
                 # post_localSGD_hook's own test: the global group until start_localSGD_iter, the node after.
                 return flat_scope if state.iter < state.start_localSGD_iter else local_scope  # type: ignore[return-value]
 
+        if self.compression != "none":
+            compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
+            # Its own group: the hook's collectives run on a background thread.
+            self._compressed = CompressedAllReduce(compressor, self.sync_stats, flat_scope, dist.new_group())
+            if self._restored_compression is not None:
+                self._compressed.load_state_dict(self._restored_compression)
+                self._restored_compression = None
+            self._compressed.register(self.model)
+            self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+            return
+        if self.local_sgd is None and hook is None:
+            # Plain DDP, except under 1-bit Adam past its warm-up, which exchanges compressed momenta instead.
+            skip = SkipWhen(self._onebit_past_warmup)
+            hook, state = SkipWhen.hook, skip
+
+            def scope() -> Literal["intra", "inter"] | None:
+                return None if skip.skip() else flat_scope
+
         if self._ddp_comm_wrapper is not None and hook is not None:
             hook = self._ddp_comm_wrapper(hook)
         MeasuredAllReduce(
@@ -151,6 +195,11 @@ class MeasuredDDPStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(opt, OneBitAdam) and opt.bytes_last_step:
+            # The momentum exchange happens inside the optimizer's step: its measured payload.
+            assert self.topology is not None
+            self.sync_stats.record_blocking(opt.bytes_last_step, "inter" if self.topology.spans_nodes() else "intra", 0)
         if self._averager is not None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             scope = self._averaging_scope()
@@ -175,7 +224,56 @@ class MeasuredDDPStrategy(DDPStrategy):
             return None
         return "inter" if dist.get_world_size(group) > topo.node_size else "intra"
 
+    def _onebit(self) -> list[OneBitAdam]:
+        return [o for o in (getattr(o, "_optimizer", o) for o in self.optimizers) if isinstance(o, OneBitAdam)]
+
+    def _onebit_past_warmup(self) -> bool:
+        onebit = self._onebit()
+        return bool(onebit) and not onebit[0].in_warmup
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # Lightning restores rank 0's optimizer state on every rank; 1-bit Adam's residuals are per rank.
+        states = checkpoint.get(_ONEBIT_KEY)
+        if states is not None:
+            for opt, state in zip(self._onebit(), states[self.global_rank], strict=False):
+                opt.compressor.load_state_dict(state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._onebit():
+            onebit: list[Any] = [None] * self.world_size
+            dist.all_gather_object(onebit, [o.compressor.state_dict() for o in self._onebit()])
+            checkpoint[_ONEBIT_KEY] = onebit
+        if self._compressed is not None:
+            # Every rank's residuals differ: gather them all into the one file rank 0 writes.
+            states: list[Any] = [None] * self.world_size
+            dist.all_gather_object(states, self._compressed.state_dict())
+            checkpoint[_CKPT_KEY] = {"world_size": self.world_size, "ranks": states}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        state = checkpoint.get(_CKPT_KEY)
+        if state is not None and self.compression != "none":
+            if state["world_size"] != self.world_size:
+                raise ValueError(
+                    f"the checkpoint's compression residuals are for {state['world_size']} ranks, this run has "
+                    f"{self.world_size}; HINT: resume on the same number of ranks, or drop the '{_CKPT_KEY}' key"
+                )
+            own = state["ranks"][self.global_rank]
+            if self._compressed is not None:
+                self._compressed.load_state_dict(own)
+            else:
+                self._restored_compression = own  # applied when the hook is registered
+        return checkpoint
+
     @override
     def teardown(self) -> None:
         self._averager = None
+        if self._compressed is not None:
+            self._compressed.close()
+            self._compressed = None
         super().teardown()
