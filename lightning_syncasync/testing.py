@@ -23,7 +23,14 @@ import torch.multiprocessing as mp
 
 
 def _worker(
-    rank: int, world_size: int, init_file: str, out_dir: str, timeout_s: float, fn: Callable[..., Any], args: tuple
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    hard_exit: bool = False,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -39,13 +46,21 @@ def _worker(
     except BaseException:  # noqa: BLE001 - the traceback is handed to the parent process
         result = ("error", traceback.format_exc())
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if hard_exit:
+        # Fault-injection tests leave background collectives stuck on purpose: skip the orderly shutdown.
+        os._exit(0)
     if result[0] == "ok":
         dist.barrier()
     dist.destroy_process_group()
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0, start_method: str = "spawn"
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    start_method: str = "spawn",
+    hard_exit: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes and return the results by rank.
 
@@ -55,6 +70,8 @@ def run_distributed(
         args: extra positional arguments for ``fn`` (picklable).
         timeout_s: bound on every collective (the process-group timeout) and on the whole run.
         start_method: ``"spawn"`` (default, what Lightning's ``ddp_spawn`` uses) or ``"fork"``.
+        hard_exit: end each process right after it saved its result (no barrier, no process-group teardown), for
+            tests that leave a collective stuck on purpose (a hung peer).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -64,7 +81,7 @@ def run_distributed(
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, init_file, tmp, timeout_s, fn, args),
+            args=(world_size, init_file, tmp, timeout_s, fn, args, hard_exit),
             nprocs=world_size,
             join=False,
             start_method=start_method,

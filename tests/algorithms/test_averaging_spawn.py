@@ -213,7 +213,7 @@ def _hung_peer(rank: int, world: int, timeout_s: float) -> dict:
 @pytest.mark.timeout(120)
 def test_a_hung_peer_ends_the_round_with_an_error_naming_it():
     timeout_s = 3.0
-    res = run_distributed(_hung_peer, 2, timeout_s, timeout_s=30)
+    res = run_distributed(_hung_peer, 2, timeout_s, timeout_s=30, hard_exit=True)
     err = res[0]["error"]
     assert err is not None and "lost peer rank 1" in err and "timeout_s=3" in err, err
     assert timeout_s - 0.5 <= res[0]["after_s"] <= timeout_s + 5

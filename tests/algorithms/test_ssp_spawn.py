@@ -1,0 +1,114 @@
+"""SSPExchange on gloo processes: no update lost or applied twice, the SSP bound, cuts, compression, liveness."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.ssp import SSPExchange
+from lightning_syncasync.testing import run_distributed
+
+
+def _update(rank: int) -> torch.Tensor:
+    # A fixed "gradient step" per rank: the sum of everything applied is known in closed form.
+    return torch.arange(10.0) * 0.01 + rank
+
+
+def _train(rank: int, world: int, steps: list[int], staleness, slow: dict, method: str) -> dict:
+    w = [torch.zeros(4), torch.zeros(2, 3)]
+    ex = SSPExchange(w, dist.new_group(), staleness=staleness, timeout_s=30,
+                     compressor=Compressor(method, seed=rank) if method != "none" else None)  # fmt: skip
+    ex.start()
+    for _ in range(steps[rank]):
+        ex.begin_step()
+        time.sleep(slow.get(rank, 0.002))  # compute
+        ex.merge()
+        before = ex.flat()
+        with torch.no_grad():
+            w[0].add_(_update(rank)[:4])
+            w[1].add_(_update(rank)[4:].view(2, 3))
+        ex.finish_step(before)
+    ex.cut(stop=True)
+    return {"w": torch.cat([t.flatten() for t in w]), "stats": ex.stats, "clock": ex.clock}
+
+
+def _expected(steps: list[int]) -> torch.Tensor:
+    world = len(steps)
+    return sum(steps[r] * _update(r) for r in range(world)) / world
+
+
+@pytest.mark.timeout(120)
+def test_ssp_bound_holds_under_a_straggler_and_nothing_is_lost():
+    steps, s = [30, 30, 30], 2
+    res = run_distributed(_train, 3, steps, s, {2: 0.03}, "none")
+    for r in res:
+        # Every update of every rank is in every replica exactly once (fp64 exchange, fp32 replica).
+        torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["w"], res[0]["w"], rtol=0, atol=0)  # the cut makes replicas bitwise equal
+        assert max(r["stats"].clock_gaps) <= s  # never past the bound
+    # The fast ranks did run ahead of the straggler (the bound was used, not trivially met).
+    assert max(res[0]["stats"].clock_gaps) == s
+    assert max(res[0]["stats"].version_staleness) >= 1
+
+
+@pytest.mark.timeout(120)
+def test_asp_fast_ranks_contribute_more_updates():
+    steps = [40, 12]  # rank 0 is 3x faster and does 3x the steps in the same time
+    res = run_distributed(_train, 2, steps, None, {1: 0.03}, "none")
+    for r in res:
+        torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-5, atol=1e-5)
+    assert max(res[0]["stats"].clock_gaps) > 5  # no gate: rank 0 ran well ahead
+
+
+@pytest.mark.timeout(120)
+def test_staleness_zero_is_lockstep():
+    res = run_distributed(_train, 2, [10, 10], 0, {1: 0.01}, "none")
+    for r in res:
+        assert r["stats"].clock_gaps == [0] * 10
+        torch.testing.assert_close(r["w"], _expected([10, 10]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_compressed_exchange_loses_nothing_at_the_cut():
+    steps = [20, 20]
+    res = run_distributed(_train, 2, steps, 3, {1: 0.01}, "int8")
+    for r in res:
+        torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-4, atol=1e-4)
+
+
+def _hung(rank: int, world: int) -> dict:
+    from lightning_syncasync.algorithms.averaging import PeerLostError
+
+    w = [torch.zeros(3)]
+    ex = SSPExchange(w, dist.new_group(), staleness=1, timeout_s=2)
+    ex.start()
+    try:
+        for _ in range(4 if rank == 1 else 20):
+            ex.begin_step()
+            before = ex.flat()
+            w[0].add_(1.0)
+            ex.finish_step(before)
+        if rank == 1:
+            time.sleep(12)  # hung after 4 steps: never reaches the next step
+            return {}
+    except PeerLostError as err:
+        return {"error": str(err), "clock": ex.clock}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_named_with_its_last_clock():
+    res = run_distributed(_hung, 2, timeout_s=40, hard_exit=True)
+    err = res[0]["error"]
+    assert err is not None and "rank 1 (last clock 4," in err and "timeout_s=2" in err, err
+    # Rank 0 stopped at the bound: its step 6 began at clock 5 with rank 1 at 4 (gap 1 = staleness); step 7 never.
+    assert res[0]["clock"] == 6
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="staleness"):
+        SSPExchange.__init__(object.__new__(SSPExchange), [torch.zeros(1)], None, staleness=-1)
