@@ -161,6 +161,7 @@ def _schemas() -> dict[str, type]:
         TextDataModule,
         TransformerLM,
     )
+    from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
     from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
     from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
@@ -187,6 +188,10 @@ def _schemas() -> dict[str, type]:
         "strategy/hier_sync": builds(
             HierSyncStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
+        ),
+        "strategy/async_ssp": builds(
+            AsyncSSPStrategy,
+            extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None)},  # noqa: UP045
         ),
         "callbacks/sync_monitor": builds(SyncMonitor),
         "callbacks/straggler_emulator": builds(StragglerEmulator),

@@ -35,3 +35,43 @@ class TinyOneBitModel(TinyModel):
         from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 
         return OneBitAdam(self.parameters(), lr=0.01, warmup_steps=3)
+
+
+class TinyLoggingModel(TinyModel):
+    """TinyModel that logs with sync_dist inside training_step, keeps a torchmetrics metric and validates;
+    ``slow_rank`` sleeps ``delay`` seconds per step (a persistent straggler)."""
+
+    def __init__(self, slow_rank: int | None = None, delay: float = 0.05) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.train_acc = torchmetrics.classification.BinaryAccuracy()
+        self.slow_rank, self.delay = slow_rank, delay
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        if self.global_rank == self.slow_rank:
+            time.sleep(self.delay)
+        x, y = batch
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.train_acc(logits.argmax(-1), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+class NaNAfterModel(TinyModel):
+    """TinyModel whose loss turns NaN at its third step (divergence detection)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step >= 2 else loss

@@ -149,6 +149,10 @@ class BenchRunner:
             "trainer.enable_progress_bar=false",
             "trainer.enable_model_summary=false",
             "callbacks.model_checkpoint=null",
+            # Lightning would add its default ModelCheckpoint, which saves at every validation here (validation runs
+            # every few steps to find the target's crossing): checkpoint I/O (and hier_sync's checkpoint cut) is not
+            # what the benchmark measures.
+            "trainer.enable_checkpointing=false",
             f"callbacks.sync_monitor.warmup_steps={WARMUP_STEPS}",
             f"seed={self.seed}",
             f"optimized_metric={scenario.metric}",

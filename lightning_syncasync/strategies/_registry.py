@@ -37,12 +37,17 @@ def _with_spawn(name: str, class_path: str, description: str) -> list[StrategyEn
     ]
 
 
-# The strategies that exist so far. Later issues append here: async_ssp, auto_sync (each with _spawn).
+# The strategies that exist so far. auto_sync (with _spawn) appends here when it lands.
 STRATEGIES: list[StrategyEntry] = [
     *_with_spawn(
         "hier_sync",
         "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
         "full sync inside a node, bounded-delay averaging across nodes",
+    ),
+    *_with_spawn(
+        "async_ssp",
+        "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
+        "asynchronous training with Stale Synchronous Parallel bounded staleness",
     ),
 ]
 

@@ -1,0 +1,86 @@
+"""Stale-gradient compensation for asynchronous training.
+
+A gradient computed on weights ``w_stale`` is applied to weights ``w_now`` that other workers' updates have moved.
+Selectable remedies:
+
+* ``none``.
+* ``staleness_lr``: scale the gradient by ``1 / (1 + tau)``, ``tau`` the number of other updates merged in between
+  (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016). With adaptive optimizers the scale partly cancels in the
+  normalisation; it acts fully with SGD.
+* ``dc_asgd``: delay compensation (Zheng et al., "Asynchronous SGD with Delay Compensation", ICML 2017): the
+  first-order Taylor correction ``g(w_now) ~ g + lambda * g * g * (w_now - w_stale)``, the diagonal outer product
+  ``g * g`` approximating the Hessian.
+* ``dc_asgd_adaptive``: the same with ``lambda_t = lambda / sqrt(ms_t + eps)``, ``ms`` a running mean of ``g * g``
+  (the paper's DC-ASGD-a), so one ``lambda`` works across layers and training phases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+Method = Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"]
+METHODS = ("none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive")
+
+
+class StaleGradientCompensation:
+    """Correct gradients for the updates merged between reading the weights and applying the gradient.
+
+    Args:
+        method: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive``.
+        lam: the DC-ASGD ``lambda`` (>= 0).
+        ms_momentum: running-mean factor of ``g * g`` for ``dc_asgd_adaptive`` (the paper's ``m``).
+        eps: added under the square root.
+
+    Example::
+
+        comp = StaleGradientCompensation("dc_asgd_adaptive", lam=1.0)
+        comp.apply(list(model.parameters()), delta, tau)  # delta: w_now - w_stale, flat, parameters first
+    """
+
+    def __init__(self, method: Method = "dc_asgd_adaptive", lam: float = 1.0, ms_momentum: float = 0.95,
+                 eps: float = 1e-7) -> None:  # fmt: skip
+        if method not in METHODS:
+            raise ValueError(f"compensation must be one of {METHODS}, got {method!r}")
+        if lam < 0:
+            raise ValueError(f"lam must be >= 0, got {lam}; HINT: 0 turns DC-ASGD off")
+        if not 0 <= ms_momentum < 1:
+            raise ValueError(f"ms_momentum must be in [0, 1), got {ms_momentum}")
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        self.method = method
+        self.lam = lam
+        self.ms_momentum = ms_momentum
+        self.eps = eps
+        self.mean_square: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def apply(self, params: list[torch.Tensor], delta: torch.Tensor | None, tau: int) -> None:
+        """Correct ``p.grad`` in place. ``delta`` is ``w_now - w_stale`` flattened over ``params`` in order (extra
+        trailing elements, e.g. buffers, are ignored); ``tau`` the number of other updates it holds."""
+        if self.method == "none":
+            return
+        if self.method == "staleness_lr":
+            if tau > 0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / (1 + tau))
+            return
+        offset = 0
+        for i, p in enumerate(params):
+            n = p.numel()
+            g = p.grad
+            if g is not None:
+                if self.method == "dc_asgd_adaptive":
+                    ms = self.mean_square.get(i)
+                    sq = g * g
+                    ms = sq.clone() if ms is None else ms.mul_(self.ms_momentum).add_(sq, alpha=1 - self.ms_momentum)
+                    self.mean_square[i] = ms
+                if delta is not None:
+                    d = delta[offset : offset + n].view_as(g).to(g.dtype)
+                    lam: Any = self.lam
+                    if self.method == "dc_asgd_adaptive":
+                        lam = self.lam / (self.mean_square[i] + self.eps).sqrt()
+                    g.add_(lam * g * g * d)
+            offset += n

@@ -1,0 +1,141 @@
+"""async_ssp with Lightning on gloo processes (spawn): lockstep equivalence, the bound under a straggler,
+Lightning's collectives, merged final model, resume, divergence and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _models import NaNAfterModel, TinyLoggingModel, TinyModel
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_syncasync.callbacks import SyncMonitor
+from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+
+
+class Record(Callback):
+    """Each rank writes the parameters each step's gradient was computed on (after async_ssp's gate and merge),
+    its final parameters, and the exchange's staleness figures."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.steps: list[torch.Tensor] = []
+        self.stats: dict = {"gaps": [], "versions": []}
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.steps.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_train_end(self, trainer, pl_module):
+        ex = getattr(trainer.strategy, "exchange", None)
+        if ex is not None:
+            self.stats = {"gaps": list(ex.stats.clock_gaps), "versions": list(ex.stats.version_staleness)}
+
+    def on_fit_end(self, trainer, pl_module):
+        # After the strategy's on_train_end: its final cut has merged every replica.
+        torch.save(
+            {
+                "steps": self.steps,
+                "start": self.start,
+                "final": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
+                **self.stats,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            },
+            Path(self.out) / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def _fit(out: Path, strategy, model=None, devices=2, steps=8, ckpt_path=None, callbacks=(), val=False):
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, default_root_dir=out,
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), Record(str(out)),
+                   *callbacks],
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=2 if val else 0, val_check_interval=4 if val else None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(model if model is not None else TinyModel(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt") for r in range(devices)], json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_staleness_zero_with_sgd_tracks_ddp(tmp_path):
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"))
+    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, compensation="none", start_method="spawn"))
+    for r in range(2):
+        assert ssp[r]["gaps"] == [0] * 8  # lockstep: nobody ever starts a step ahead of the others
+        # Each step reads at least every update up to the previous step (DDP's weights); SSP lets a read also hold
+        # a peer's update of the current step when it already arrived, so equal to DDP up to those fresher reads.
+        for got, want in zip(ssp[r]["steps"], ddp[0]["steps"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+        torch.testing.assert_close(ssp[r]["final"], ssp[0]["final"], rtol=0, atol=0)
+        torch.testing.assert_close(ssp[r]["final"], ddp[0]["final"], rtol=0, atol=2e-3)
+    assert summary["mode"] == "async"
+    assert all(r["bytes_intra_per_step"] > 0 for r in summary["ranks"])
+
+
+@pytest.mark.timeout(300)
+def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
+    s = 2
+    res, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=s, start_method="spawn"),
+                        TinyLoggingModel(slow_rank=2, delay=0.25), devices=3, steps=12, val=True)  # fmt: skip
+    for r in res:
+        assert len(r["steps"]) == 12 and max(r["gaps"]) <= s  # never past the bound
+        torch.testing.assert_close(r["final"], res[0]["final"], rtol=0, atol=0)  # the merged model everywhere
+        assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # validation and torchmetrics ran
+    assert max(res[0]["gaps"] + res[1]["gaps"]) >= 1  # the fast ranks ran ahead of the straggler
+    assert max(res[2]["gaps"]) == 0  # ... which never waited for them
+    assert max(res[0]["versions"]) >= 1
+    assert summary["ranks"][0]["staleness_max"] >= 1
+
+
+@pytest.mark.timeout(400)
+def test_resume_restores_the_merged_model_and_the_clocks(tmp_path):
+    make = lambda: AsyncSSPStrategy(staleness=1, start_method="spawn")  # noqa: E731
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
+    _fit(tmp_path / "full", make(), steps=12, callbacks=[ckpt])
+    path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["async_ssp"]["clock"] == 8
+    saved = torch.cat([v.flatten() for v in checkpoint["state_dict"].values()])
+    resumed, _ = _fit(tmp_path / "resumed", make(), steps=12, ckpt_path=str(path),
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=8)])  # fmt: skip
+    for r in range(2):
+        assert len(resumed[r]["steps"]) == 4  # steps 9-12
+        torch.testing.assert_close(resumed[r]["start"], saved, rtol=0, atol=0)  # every rank starts from the cut
+        assert max(resumed[r]["gaps"]) <= 1
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path):
+    with pytest.raises(Exception, match="loss is nan at clock 2"):
+        _fit(tmp_path / "nan", AsyncSSPStrategy(staleness=None, start_method="spawn"), NaNAfterModel())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"staleness": -1}, "staleness"),
+        ({"compensation": "magic"}, "compensation"),
+        ({"lam": -0.5}, "lam"),
+        ({"compression": "int4"}, "compression"),
+        ({"peer_timeout_s": 0}, "peer_timeout_s"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncSSPStrategy(**kwargs)
+
+
+def test_registered_names():
+    import lightning_syncasync  # noqa: F401
+
+    t = Trainer(strategy="async_ssp_spawn", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(t.strategy, AsyncSSPStrategy) and t.strategy._start_method == "spawn"
