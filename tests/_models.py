@@ -75,3 +75,29 @@ class NaNAfterModel(TinyModel):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         return loss * float("nan") if self.global_step >= 2 else loss
+
+
+class ManualTwoOptimizersModel(TinyModel):
+    """Manual optimisation with two optimizers (one per layer) and manual gradient clipping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt_a, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt_a.step()
+        opt_b.step()
+        return loss
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+            torch.optim.Adam(self.net[2].parameters(), lr=0.01),
+        )

@@ -351,6 +351,7 @@ class SSPExchange:
 
     def _silent_ranks(self) -> list[int]:
         """Ranks whose heartbeat did not advance over three heartbeat periods (rank 0 hosts the store)."""
+
         def beats() -> dict[int, bytes | None]:
             # check() first: get() on a key never set would block for the store's whole timeout.
             return {r: self._store.get(f"hb{r}") if self._store.check([f"hb{r}"]) else None for r in self.global_ranks}

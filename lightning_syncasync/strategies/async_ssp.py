@@ -245,4 +245,3 @@ def _log_staleness(ex: SSPExchange) -> None:
             "async_ssp: %d rounds; clock gap mean %.2f max %d; version staleness mean %.2f max %d",
             ex.stats.rounds, sum(gaps) / len(gaps), max(gaps), sum(versions) / len(versions), max(versions),
         )  # fmt: skip
-

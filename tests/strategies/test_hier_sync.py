@@ -132,3 +132,36 @@ def test_registered_names():
 
     t = Trainer(strategy="hier_sync_spawn", accelerator="cpu", devices=2, logger=False)
     assert isinstance(t.strategy, HierSyncStrategy) and t.strategy._start_method == "spawn"
+
+
+def _fit_with(out: Path, strategy, model_cls, **trainer_kwargs) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=8, logger=False, default_root_dir=out,
+        callbacks=[RecordParams(str(out))], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **trainer_kwargs,
+    )  # fmt: skip
+    torch.manual_seed(0)  # the same initial weights in every run
+    trainer.fit(model_cls())
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_equals_ddp(tmp_path):
+    ddp = _fit_with(tmp_path / "ddp", DDPStrategy(start_method="spawn"), TinyModel, accumulate_grad_batches=2)
+    strategy = HierSyncStrategy(inter_period=1, max_delay=0, node_size=2, start_method="spawn")
+    hier = _fit_with(tmp_path / "hier", strategy, TinyModel, accumulate_grad_batches=2)
+    for r in range(4):
+        torch.testing.assert_close(hier[r]["final"], ddp[0]["final"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_manual_optimisation_with_two_optimizers_and_clipping(tmp_path):
+    from _models import ManualTwoOptimizersModel
+
+    strategy = HierSyncStrategy(inter_period=2, max_delay=1, node_size=2, start_method="spawn")
+    res = _fit_with(tmp_path / "manual", strategy, ManualTwoOptimizersModel)
+    # One averaging step per training step (after the last optimizer), and fit ends with one merged model.
+    for r in res[1:]:
+        torch.testing.assert_close(r["final"], res[0]["final"])
+    assert not torch.allclose(res[0]["final"], res[0]["steps"][0])
