@@ -195,6 +195,8 @@ class SSPExchange:
         self.merge()
         self._read = _Shipped(merged_at_read=self._merged, gap=gap)
         self.stats.clock_gaps.append(gap)
+        if self.recorder is not None:
+            self.recorder.record_clock_gap(gap)
 
     def merge(self) -> tuple[torch.Tensor | None, int]:
         """Apply every delta the other ranks' rounds delivered; returns ``(delta, updates)`` (``None`` if none)."""

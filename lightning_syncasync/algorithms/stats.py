@@ -43,6 +43,7 @@ class StepStats:
         samples: samples processed in the step on this rank.
         staleness_mean: mean staleness of the updates applied in the step (0 for synchronous training).
         staleness_max: max staleness of the updates applied in the step.
+        clock_gap: the SSP clock gap this step started with (own clock minus the slowest peer's; 0 when synchronous).
         mode: the sync mode the step ran in (``"sync"``, ``"hier"``, ``"async"``, ``"local"``).
     """
 
@@ -55,6 +56,7 @@ class StepStats:
     samples: int
     staleness_mean: float = 0.0
     staleness_max: float = 0.0
+    clock_gap: float = 0.0
     mode: str = "sync"
 
     @property
@@ -79,6 +81,7 @@ class _Open:
     last_launch: float | None = None
     last_completion: float | None = None
     staleness: list[float] = field(default_factory=list)
+    clock_gap: float = 0.0
 
 
 class StatsRecorder:
@@ -111,6 +114,8 @@ class StatsRecorder:
         self.mode = mode
         self.history: deque[StepStats] = deque(maxlen=history)
         self.total_bytes = {"intra": 0, "inter": 0}
+        # Whole-run histograms {value: count} of version staleness and clock gaps (integers for the async modes).
+        self.histograms: dict[str, dict[int, int]] = {"staleness": {}, "clock_gap": {}}
 
     def __getstate__(self) -> dict:
         # Strategies are pickled to spawned processes; a lock cannot travel, a fresh one is made on arrival.
@@ -171,6 +176,17 @@ class StatsRecorder:
             raise ValueError(f"staleness must be >= 0, got {value}")
         with self._lock:
             self._open.staleness.append(float(value))
+            hist = self.histograms["staleness"]
+            hist[round(value)] = hist.get(round(value), 0) + 1
+
+    def record_clock_gap(self, value: float) -> None:
+        """Record the SSP clock gap the current step started with."""
+        if value < 0:
+            raise ValueError(f"clock gap must be >= 0, got {value}")
+        with self._lock:
+            self._open.clock_gap = max(self._open.clock_gap, float(value))
+            hist = self.histograms["clock_gap"]
+            hist[round(value)] = hist.get(round(value), 0) + 1
 
     def end_step(self, step: int, samples: int) -> StepStats:
         """Close the step opened by :meth:`begin_step` and return its record."""
@@ -195,6 +211,7 @@ class StatsRecorder:
                 samples=samples,
                 staleness_mean=sum(stal) / len(stal) if stal else 0.0,
                 staleness_max=max(stal) if stal else 0.0,
+                clock_gap=cur.clock_gap,
                 mode=self.mode,
             )
             for scope in _SCOPES:

@@ -170,6 +170,7 @@ class SyncMonitor(Callback):
             f"{p}samples_per_s": rate,
             f"{p}staleness": stats.staleness_mean,
             f"{p}staleness_max": stats.staleness_max,
+            f"{p}clock_gap": stats.clock_gap,
         }
         pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
         if self.progress_bar:
@@ -248,6 +249,8 @@ class SyncMonitor(Callback):
             gathered = trainer.strategy.all_gather(local.to(pl_module.device)).cpu().reshape(-1, len(_FIELDS))
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
         self.summary["fit_wall_s"] = time.perf_counter() - self._fit_start
+        # This rank's whole-run histograms of version staleness and SSP clock gaps ({value: count}).
+        self.summary["histograms"] = {k: dict(sorted(v.items())) for k, v in self._recorder.histograms.items()}
         self.summary["val_history"] = self.val_history
         if self.print_summary:
             _print_summary(self.summary)

@@ -94,6 +94,10 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
     assert max(res[2]["gaps"]) == 0  # ... which never waited for them
     assert max(res[0]["versions"]) >= 1
     assert summary["ranks"][0]["staleness_max"] >= 1
+    # Both figures reach SyncMonitor: rank 0's histograms hold one clock gap per step, none above the bound.
+    gaps = {int(k): v for k, v in summary["histograms"]["clock_gap"].items()}
+    assert sum(gaps.values()) == 12 and max(gaps) <= s
+    assert sum(summary["histograms"]["staleness"].values()) == 12
 
 
 @pytest.mark.timeout(400)
