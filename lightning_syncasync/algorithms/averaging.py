@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm_thread import CommThread
+from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
@@ -308,7 +308,7 @@ class DelayedAverager:
             return delta
         out = torch.empty(self.shard_numel * self.node_size, dtype=delta.dtype, device=delta.device)
         start = time.perf_counter()
-        dist.all_gather_into_tensor(out, delta.contiguous(), group=self.node_group)
+        all_gather_flat(out, delta.contiguous(), self.node_group)
         if self.recorder is not None and record:
             self.recorder.record_blocking(out.numel() * out.element_size(), "intra", time.perf_counter() - start)
         return out

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm_thread import CommThread
+from lightning_syncasync.algorithms._comm import CommThread
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 

@@ -36,6 +36,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms._comm import all_gather_flat
+
 Method = Literal["none", "fp16", "bf16", "int8", "sign", "powersgd"]
 METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "sign", "powersgd")
 Rounding = Literal["nearest", "stochastic"]
@@ -163,7 +165,7 @@ class Compressor:
         if self.method in ("int8", "sign"):
             payload, own = self._encode(flat)
             gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
-            _all_gather(gathered, payload, group)
+            all_gather_flat(gathered, payload, group)
             mean = sum(self._decode(p, flat.numel()) for p in gathered.chunk(world)) / world
             return mean, own, payload.numel() * payload.element_size()  # type: ignore[return-value]
         mean, nbytes = self._powersgd(flat, group, str(key), world, shapes)
@@ -308,9 +310,3 @@ class Compressor:
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
     # Reduced QR: the columns of P become an orthonormal basis (Gram-Schmidt in the paper; QR is the stable form).
     return torch.linalg.qr(p, mode="reduced").Q
-
-
-def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has only it.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, tensor, group=group)

@@ -1,4 +1,4 @@
-"""A daemon thread for blocking collectives that must not block the training loop."""
+"""Communication helpers shared by the algorithms: a daemon thread for blocking collectives, and all-gather."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 class CommThread:
@@ -33,3 +36,10 @@ class CommThread:
                 fut.set_result(fn())
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 fut.set_exception(err)
+
+
+def all_gather_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-gather ``tensor`` from every rank of ``group`` into the flat ``out`` (rank order)."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has only it.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
