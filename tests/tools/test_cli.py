@@ -73,3 +73,30 @@ def test_bad_input_is_rejected_with_the_setting_named(tmp_path, args, message):
     proc = _cli(tmp_path, *args, timeout=100)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "strategy_args",
+    [
+        ["--trainer.strategy=hier_sync_spawn"],
+        [
+            "--trainer.strategy=lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
+            "--trainer.strategy.init_args.staleness=2",
+            "--trainer.strategy.init_args.compression=int8",
+            "--trainer.strategy.init_args.start_method=spawn",
+        ],
+    ],
+    ids=["hier_sync_by_name", "async_ssp_with_arguments"],
+)
+def test_our_strategies_from_the_command_line(tmp_path, strategy_args):
+    proc = _cli(
+        tmp_path, "fit", *strategy_args, "--trainer.max_steps=6", "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=lightning_syncasync.callbacks.SyncMonitor",
+        f"--trainer.callbacks.init_args.summary_file={tmp_path / 's.json'}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["ranks"][0]["steps"] == 6 and summary["mode"] in ("hier", "async")
