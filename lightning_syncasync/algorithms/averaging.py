@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
+from lightning_syncasync.algorithms._flat import add_flat_
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
@@ -294,13 +295,7 @@ class DelayedAverager:
         self.anchor = new_global
         # Move from the snapshot to the new global model, keeping what was learned locally since the launch.
         delta = new_global - rnd.snapshot
-        full = self._gather(delta)
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                t.add_(full[offset : offset + n].view_as(t).to(t.dtype))
-                offset += n
+        add_flat_(self.tensors, self._gather(delta)[: self.numel])
         self.rounds_applied += 1
 
     def _gather(self, delta: torch.Tensor, record: bool = True) -> torch.Tensor:

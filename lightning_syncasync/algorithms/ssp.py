@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
 from lightning_syncasync.algorithms.averaging import PeerLostError
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
@@ -207,13 +208,13 @@ class SSPExchange:
             delta, self._inbox = self._inbox, torch.zeros(self.numel)
             updates, self._inbox_updates = self._inbox_updates, 0
             self._merged += updates
-        self._add(delta)
+        add_flat_(self.tensors, delta)
         return delta, updates
 
     def finish_step(self, before: torch.Tensor) -> None:
         """After the optimizer step: keep ``1/N`` of the update made since ``before`` and ship the same ``1/N``."""
         share = (self.flat() - before) / self.world
-        self._set(before + share)
+        copy_flat_(self.tensors, before + share)
         with self._cond:
             self._outbox += share
             self._outbox_steps.append(self._read)
@@ -391,21 +392,3 @@ class SSPExchange:
             raise PeerLostError(
                 f"rank {self.global_rank}: an exchange round failed ({err}); lost peer: {self._suspects()}"
             ) from err
-
-    # -- helpers -----------------------------------------------------------------------------------------------
-
-    def _add(self, delta: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                t.add_(delta[offset : offset + n].view_as(t).to(t.dtype))
-                offset += n
-
-    def _set(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n

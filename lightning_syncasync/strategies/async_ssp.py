@@ -25,7 +25,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,17 +35,16 @@ from lightning_syncasync.algorithms.compensation import StaleGradientCompensatio
 from lightning_syncasync.algorithms.compression import Compressor, check_method
 from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 
 log = logging.getLogger(__name__)
-
-_CKPT_KEY = "async_ssp"
 
 
 class DivergenceError(RuntimeError):
     """The loss became NaN/inf under asynchronous training."""
 
 
-class AsyncSSPStrategy(DDPStrategy):
+class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
     """Asynchronous training with Stale Synchronous Parallel bounded staleness, for any LightningModule.
 
     Args:
@@ -69,6 +67,7 @@ class AsyncSSPStrategy(DDPStrategy):
     """
 
     strategy_name = "async_ssp"
+    _ckpt_key = "async_ssp"
 
     def __init__(
         self,
@@ -205,22 +204,8 @@ class AsyncSSPStrategy(DDPStrategy):
             self.exchange.cut()  # all ranks save together: a consistent cut
         return super().lightning_module_state_dict()
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.exchange is not None:
-            checkpoint[_CKPT_KEY] = self.exchange.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        state = checkpoint.get(_CKPT_KEY)
-        if state is not None:
-            if self.exchange is not None:
-                self.exchange.load_state_dict(state)
-            else:
-                self._restored = state
-        return checkpoint
+    def _algorithm(self) -> Any | None:
+        return self.exchange
 
     @override
     def on_train_end(self) -> None:

@@ -19,7 +19,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -31,13 +30,12 @@ from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor, check_method
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 
 log = logging.getLogger(__name__)
 
-_CKPT_KEY = "hier_sync"
 
-
-class HierSyncStrategy(DDPStrategy):
+class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
     """Hierarchical synchronisation for any LightningModule.
 
     Args:
@@ -65,6 +63,7 @@ class HierSyncStrategy(DDPStrategy):
     """
 
     strategy_name = "hier_sync"
+    _ckpt_key = "hier_sync"
 
     def __init__(
         self,
@@ -188,22 +187,8 @@ class HierSyncStrategy(DDPStrategy):
             self.averager.synchronize()
         return super().lightning_module_state_dict()
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.averager is not None:
-            checkpoint[_CKPT_KEY] = self.averager.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        state = checkpoint.get(_CKPT_KEY)
-        if state is not None:
-            if self.averager is not None:
-                self.averager.load_state_dict(state)
-            else:
-                self._restored = state  # applied when the averager is built in setup()
-        return checkpoint
+    def _algorithm(self) -> Any | None:
+        return self.averager
 
     @override
     def teardown(self) -> None:

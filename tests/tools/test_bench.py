@@ -85,3 +85,16 @@ def test_results_accumulate_and_a_rerun_replaces_its_records(tmp_path):
     assert sorted((r["strategy"], r["samples_per_s"]) for r in merged) == [("ddp", 5.0), ("other", 2.0)]
     text = write_report(tmp_path, merged, "syncasync-bench test").read_text()
     assert "other reaches the target 0.50x as fast as DDP" in text
+
+
+def test_report_explains_a_bounded_staleness_result_under_a_persistent_straggler():
+    from lightning_syncasync.bench.report import _explain
+
+    cfg = {"strategy": {"_target_": "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy", "staleness": 4}}
+    s = {"runs": [{"config": cfg}], "efficiency": 0.7, "wait_frac": 0.25}
+    line = _explain("straggler", "async_ssp", s)
+    assert "staleness 4" in line and "70.0% of the limit" in line and "25.0%" in line
+    assert _explain("jitter", "async_ssp", s) == ""  # only where persistence matters
+    cfg["strategy"]["staleness"] = None
+    assert "ASP" in _explain("straggler", "async_asp", s)
+    assert _explain("straggler", "ddp", {"runs": [{"config": {"strategy": {"_target_": "DDPStrategy"}}}]}) == ""
