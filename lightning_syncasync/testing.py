@@ -71,7 +71,8 @@ def run_distributed(
         timeout_s: bound on every collective (the process-group timeout) and on the whole run.
         start_method: ``"spawn"`` (default, what Lightning's ``ddp_spawn`` uses) or ``"fork"``.
         hard_exit: end each process right after it saved its result (no barrier, no process-group teardown), for
-            tests that leave a collective stuck on purpose (a hung peer).
+            tests that leave a collective stuck on purpose (a hung peer); a rank that exits with status 0 and no
+            result (killed on purpose) gets ``None``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -104,6 +105,9 @@ def run_distributed(
         for rank in range(world_size):
             path = os.path.join(tmp, f"rank{rank}.pt")
             if not os.path.exists(path):
+                if hard_exit:
+                    results.append(None)  # a rank the test killed on purpose
+                    continue
                 raise RuntimeError(f"rank {rank} left no result (timed out after {timeout_s}s or crashed)")
             status, value = torch.load(path, weights_only=False)
             if status == "error":

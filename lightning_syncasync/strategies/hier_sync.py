@@ -40,9 +40,9 @@ class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
 
     Args:
         inter_period: steps between two cross-node averagings (>= 1). Default 4, measured on the quick
-            ``slow_link`` benchmark (transformer LM, AdamW): 1 ran at 64.9% of the no-communication limit but learned
-            less per step (val_acc 0.255 vs DDP's 0.312 after 40 steps), 2 reached 0.303, 4 ran at 75.3% and
-            reached 0.310.
+            ``slow_link`` benchmark (transformer LM, AdamW; README): 4 ran at 80.5% of the no-communication limit
+            and reached the target 1.60x as fast as DDP; 2 at 73.9% (1.46x); 1 (with int8) learned too little per
+            step to reach it in 40 steps.
         max_delay: steps a cross-node average may lag before it is applied (>= 0; 0 = synchronous).
         node_size: ranks per node; default from the cluster (``world_size // num_nodes``). A smaller value forms
             virtual nodes, so one machine can exercise the hierarchy (4 processes as 2 nodes of 2).

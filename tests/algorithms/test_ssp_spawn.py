@@ -112,3 +112,37 @@ def test_a_hung_rank_is_named_with_its_last_clock():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="staleness"):
         SSPExchange.__init__(object.__new__(SSPExchange), [torch.zeros(1)], None, staleness=-1)
+
+
+def _killed(rank: int, world: int) -> dict:
+    import os
+
+    from lightning_syncasync.algorithms.averaging import PeerLostError
+
+    w = [torch.zeros(3)]
+    ex = SSPExchange(w, dist.new_group(timeout=__import__("datetime").timedelta(seconds=5)), staleness=None,
+                     timeout_s=5)  # fmt: skip
+    ex.start()
+    start = time.perf_counter()
+    try:
+        for step in range(400):
+            if rank == 1 and step == 3:
+                os._exit(0)  # killed: no cleanup, sockets closed by the kernel
+            ex.begin_step()
+            before = ex.flat()
+            w[0].add_(1.0)
+            ex.finish_step(before)
+            time.sleep(0.02)
+    except PeerLostError as err:
+        return {"error": str(err), "after_s": time.perf_counter() - start}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_stops_the_others_with_its_name():
+    res = run_distributed(_killed, 2, timeout_s=40, hard_exit=True)
+    assert res[1] is None
+    err = res[0]["error"]
+    # ASP (no gate): the failed exchange round is what stops rank 0; the heartbeat tells which rank is gone.
+    assert err is not None and "rank 1 (last clock" in err and "heartbeat stopped" in err, err
+    assert res[0]["after_s"] < 30
