@@ -86,6 +86,8 @@ class SSPExchange:
         round_interval_s: the shortest a rank's thread waits for a new local step before joining a round anyway (it
             waits half its own mean step time when that is longer).
         store: the store for heartbeats (``None``: torch's default store).
+        exchange_every: local steps a rank accumulates before joining a round (the others' updates and the clocks
+            still arrive with every round). Fewer rounds cost less CPU and bandwidth; the staleness grows with it.
 
     Example::
 
@@ -97,7 +99,7 @@ class SSPExchange:
             ex.merge()                            # what arrived during backward (compensate grads with it)
             before = ex.flat(); opt.step()
             ex.finish_step(before)                # 1/N of the update stays, the same 1/N is shipped
-        ex.cut(); ex.close()
+        ex.cut(stop=True)                          # every update delivered, replicas equal, threads stopped
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class SSPExchange:
         recorder: StatsRecorder | None = None,
         round_interval_s: float = 0.005,
         store: Any = None,
+        exchange_every: int = 1,
     ) -> None:
         if staleness is not None and staleness < 0:
             raise ValueError(f"staleness must be >= 0 or None (ASP), got {staleness}; HINT: 0 is synchronous")
@@ -119,6 +122,9 @@ class SSPExchange:
             raise ValueError(f"round_interval_s must be > 0, got {round_interval_s}")
         if not tensors:
             raise ValueError("tensors is empty: nothing to exchange")
+        if exchange_every < 1:
+            raise ValueError(f"exchange_every must be >= 1, got {exchange_every}")
+        self.exchange_every = exchange_every
         self.tensors = tensors
         self.group = group
         self.staleness = staleness
@@ -277,9 +283,10 @@ class SSPExchange:
         try:
             while True:
                 with self._cond:
-                    idle = max(self.round_interval_s, 0.5 * (self._step_ema or 0.0))
+                    # Join when `exchange_every` local steps are waiting, at a cut, or when idle long enough.
+                    idle = max(self.round_interval_s, (self.exchange_every - 0.5) * (self._step_ema or 0.0))
                     deadline = time.perf_counter() + idle
-                    while not self._stop and not self._outbox_steps and not self._cut_requested:
+                    while not self._stop and len(self._outbox_steps) < self.exchange_every and not self._cut_requested:
                         left = deadline - time.perf_counter()
                         if left <= 0:
                             break

@@ -57,7 +57,8 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
         compression_options: extra ``Compressor`` arguments.
         peer_timeout_s: a gate wait, cut or exchange round longer than this ends the run with an error naming the
             lost rank and its last clock.
-        round_interval_s: the longest a rank's exchange thread waits for a new local step before joining a round.
+        round_interval_s: the shortest a rank's exchange thread waits for a new local step before an idle round.
+        exchange_every: local steps a rank accumulates before joining an exchange round (1: every step).
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
@@ -78,6 +79,7 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
         compression_options: dict[str, Any] | None = None,
         peer_timeout_s: float = 60.0,
         round_interval_s: float = 0.005,
+        exchange_every: int = 1,
         **kwargs: Any,
     ) -> None:
         if staleness is not None and staleness < 0:
@@ -91,6 +93,8 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
             raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
         if round_interval_s <= 0:
             raise ValueError(f"round_interval_s must be > 0, got {round_interval_s}")
+        if exchange_every < 1:
+            raise ValueError(f"exchange_every must be >= 1, got {exchange_every}; HINT: 1 exchanges every step")
         if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
             raise ValueError("async_ssp does not all-reduce gradients; drop ddp_comm_hook/model_averaging_period")
         super().__init__(**kwargs)
@@ -101,6 +105,7 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
         self.compression_options = dict(compression_options or {})
         self.peer_timeout_s = peer_timeout_s
         self.round_interval_s = round_interval_s
+        self.exchange_every = exchange_every
         self.sync_stats = StatsRecorder(mode="async")
         self.exchange: SSPExchange | None = None
         self._compensator: StaleGradientCompensation | None = None
@@ -138,6 +143,7 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
             compressor=Compressor(self.compression, seed=self.global_rank, **self.compression_options),  # type: ignore[arg-type]
             recorder=self.sync_stats,
             round_interval_s=self.round_interval_s,
+            exchange_every=self.exchange_every,
         )
         self._compensator = StaleGradientCompensation(self.compensation, self.lam)  # type: ignore[arg-type]
         if self._restored is not None:

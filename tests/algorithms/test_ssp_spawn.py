@@ -18,9 +18,9 @@ def _update(rank: int) -> torch.Tensor:
     return torch.arange(10.0) * 0.01 + rank
 
 
-def _train(rank: int, world: int, steps: list[int], staleness, slow: dict, method: str) -> dict:
+def _train(rank: int, world: int, steps: list[int], staleness, slow: dict, method: str, every: int = 1) -> dict:
     w = [torch.zeros(4), torch.zeros(2, 3)]
-    ex = SSPExchange(w, dist.new_group(), staleness=staleness, timeout_s=30,
+    ex = SSPExchange(w, dist.new_group(), staleness=staleness, timeout_s=30, exchange_every=every,
                      compressor=Compressor(method, seed=rank) if method != "none" else None)  # fmt: skip
     ex.start()
     for _ in range(steps[rank]):
@@ -62,6 +62,16 @@ def test_asp_fast_ranks_contribute_more_updates():
     for r in res:
         torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-5, atol=1e-5)
     assert max(res[0]["stats"].clock_gaps) > 5  # no gate: rank 0 ran well ahead
+
+
+@pytest.mark.timeout(120)
+def test_exchanging_every_third_step_loses_nothing_and_keeps_the_bound():
+    steps = [24, 24]
+    res = run_distributed(_train, 2, steps, 4, {1: 0.01}, "none", 3)
+    for r in res:
+        torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-5, atol=1e-5)
+        assert max(r["stats"].clock_gaps) <= 4
+        assert r["stats"].rounds < 24  # fewer rounds than steps
 
 
 @pytest.mark.timeout(120)

@@ -131,6 +131,7 @@ def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path):
         ({"lam": -0.5}, "lam"),
         ({"compression": "int4"}, "compression"),
         ({"peer_timeout_s": 0}, "peer_timeout_s"),
+        ({"exchange_every": 0}, "exchange_every"),
     ],
 )
 def test_bad_arguments(kwargs, match):
