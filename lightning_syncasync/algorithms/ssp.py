@@ -106,7 +106,7 @@ class SSPExchange:
         self,
         tensors: list[torch.Tensor],
         group: dist.ProcessGroup | None,
-        staleness: int | None = 4,
+        staleness: int | None = 1,
         timeout_s: float = 60.0,
         compressor: Compressor | None = None,
         recorder: StatsRecorder | None = None,

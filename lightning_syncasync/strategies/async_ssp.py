@@ -48,7 +48,9 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
     """Asynchronous training with Stale Synchronous Parallel bounded staleness, for any LightningModule.
 
     Args:
-        staleness: the SSP bound ``s`` in steps (``0``: synchronous; ``None``: ASP, no bound). Default 4.
+        staleness: the SSP bound ``s`` in steps (``0``: synchronous; ``None``: ASP, no bound). Default 1, measured
+            on the transformer LM demo (4 ranks, AdamW lr 3e-3, 25 steps, no emulation): s=0 reached val_acc 0.293,
+            s=1 0.277, s=4 stayed at the 0.22 plateau (with or without compensation), DDP 0.307.
         compensation: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
             ``algorithms/compensation.py``).
         lam: DC-ASGD's ``lambda``.
@@ -72,7 +74,7 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
 
     def __init__(
         self,
-        staleness: int | None = 4,
+        staleness: int | None = 1,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
         compression: str = "none",
