@@ -125,6 +125,7 @@ class Compressor:
         same ``shapes`` in the same order. ``shapes`` (``powersgd`` only) splits the flat tensor into matrices.
         """
         key = str(key)
+        _check_tensor(tensor)
         flat = tensor.detach().reshape(-1).float()
         if self.error_feedback and key in self.residuals:
             residual = self.residuals[key]
@@ -310,3 +311,18 @@ class Compressor:
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
     # Reduced QR: the columns of P become an orthonormal basis (Gram-Schmidt in the paper; QR is the stable form).
     return torch.linalg.qr(p, mode="reduced").Q
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    # Integer tensors cannot carry gradients or averages, and a sparse layout has no flat view: refuse both clearly
+    # (callers pass non-float parameters and buffers around the compressor, as the strategies do).
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise ValueError(
+            f"compression needs a dense tensor, got layout {tensor.layout}; HINT: densify it (tensor.to_dense()) "
+            "or leave it out of the compressed exchange"
+        )
+    if not tensor.is_floating_point():
+        raise ValueError(
+            f"compression needs a floating-point tensor, got {tensor.dtype}; HINT: non-float parameters and buffers "
+            "are exchanged uncompressed by the strategies, do not pass them to a Compressor"
+        )

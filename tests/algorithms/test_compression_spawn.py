@@ -127,3 +127,13 @@ def test_bad_settings(kwargs, match):
 def test_state_of_another_method_is_refused():
     with pytest.raises(ValueError, match="same compression"):
         Compressor("int8").load_state_dict(Compressor("sign").state_dict())
+
+
+@pytest.mark.parametrize(
+    ("tensor", "match"),
+    [(torch.arange(4), "floating-point"), (torch.eye(3).to_sparse(), "dense tensor")],
+    ids=["integer", "sparse"],
+)
+def test_integer_and_sparse_tensors_are_refused(tensor, match):
+    with pytest.raises(ValueError, match=match):
+        Compressor("int8").allreduce(tensor, None, key="k")
