@@ -174,9 +174,10 @@ class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        # The model fit() leaves behind (and that test/predict/save use) is the merged one, not a node's replica.
+        # The model fit() leaves behind (and that test/predict/save use) is the merged one, not a node's replica:
+        # a consistent cut, since draining alone leaves each node's progress since the last launch unmerged.
         if self.averager is not None:
-            self.averager.drain()
+            self.averager.synchronize()
         super().on_train_end()
 
     @override
