@@ -33,7 +33,6 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -92,7 +91,7 @@ class DelayedAverager:
         recorder: where bytes and wait time go.
         compressor: compression of the cross-node exchange (``None``: plain fp32 all-reduce).
         timeout_s: how long a round may wait for its peers before :class:`PeerLostError`; bounds the cross-node
-            group's collectives too when the group was created with it (see :meth:`timeout`).
+            group's collectives too when the group was created with ``timeout=timedelta(seconds=timeout_s)``.
 
     Example::
 
@@ -176,11 +175,6 @@ class DelayedAverager:
             if self._thread is not None:
                 self._thread.close()
                 self._thread = None
-
-    @staticmethod
-    def timeout(timeout_s: float) -> timedelta:
-        """The process-group timeout to create the cross-node group with, so a collective on a hung peer fails."""
-        return timedelta(seconds=timeout_s)
 
     def synchronize(self) -> None:
         """A consistent cut: drain, then one more round applied at once, after which every node holds the same

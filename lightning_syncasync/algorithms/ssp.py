@@ -57,14 +57,6 @@ _HEARTBEAT_S = 1.0
 
 
 @dataclass
-class _Shipped:
-    """One local update waiting for the round that delivers it: what the replica had merged when it was read."""
-
-    merged_at_read: int
-    gap: int
-
-
-@dataclass
 class SSPStats:
     """Recorded staleness figures (also fed to the ``StatsRecorder``)."""
 
@@ -145,7 +137,8 @@ class SSPExchange:
         self.known_clocks = [0] * self.world
         self.stats = SSPStats()
         self._outbox = torch.zeros(self.numel)
-        self._outbox_steps: list[_Shipped] = []
+        # Per local step waiting for its round: how many other ranks' updates the replica held when it was read.
+        self._outbox_steps: list[int] = []
         self._inbox = torch.zeros(self.numel)
         self._inbox_updates = 0
         self._merged = 0  # other ranks' updates merged into this replica so far
@@ -205,7 +198,7 @@ class SSPExchange:
         if self.recorder is not None and waited > 1e-4:
             self.recorder.record_wait(waited)
         self.merge()
-        self._read = _Shipped(merged_at_read=self._merged, gap=gap)
+        self._read = self._merged
         self.stats.clock_gaps.append(gap)
         if self.recorder is not None:
             self.recorder.record_clock_gap(gap)
@@ -308,7 +301,7 @@ class SSPExchange:
                 self._error = err
                 self._cond.notify_all()
 
-    def _round(self, send: torch.Tensor, shipped: list[_Shipped], clock: int, flag: float) -> None:
+    def _round(self, send: torch.Tensor, shipped: list[int], clock: int, flag: float) -> None:
         meta = torch.zeros(self.world + 1, dtype=torch.float64)
         meta[self.rank] = clock
         meta[-1] = flag
@@ -350,9 +343,9 @@ class SSPExchange:
             self.known_clocks = clocks
             self.stats.rounds += 1
             for s in shipped:
-                self.stats.version_staleness.append(self._arrived - s.merged_at_read)
+                self.stats.version_staleness.append(self._arrived - s)
                 if self.recorder is not None:
-                    self.recorder.record_staleness(self._arrived - s.merged_at_read)
+                    self.recorder.record_staleness(self._arrived - s)
             if everyone_flagged:
                 self._cut_round_done = True
             self._cond.notify_all()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -29,10 +30,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms.averaging import DelayedAverager
 from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.compression import Compressor, check_method
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
@@ -89,7 +89,6 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
         if compensation not in COMPENSATIONS:
             raise ValueError(f"compensation must be one of {COMPENSATIONS}, got {compensation!r}")
         StaleGradientCompensation(compensation, lam)  # validates lam
-        check_method(compression, "compression")
         Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
         if peer_timeout_s <= 0:
             raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
@@ -119,7 +118,7 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._group = dist.new_group(timeout=DelayedAverager.timeout(self.peer_timeout_s))
+        self._group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s))
 
     @override
     def configure_ddp(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,7 +28,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
-from lightning_syncasync.algorithms.compression import Compressor, check_method
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
@@ -79,7 +80,6 @@ class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
-        check_method(compression, "compression")
         if peer_timeout_s <= 0:
             raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
         # Build one now so that bad compression_options fail at construction, not in every process later.
@@ -115,7 +115,7 @@ class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
         # Every rank creates every group, in the same order (torch requires it). DDP and the averager get separate
         # node groups so that their collectives never interleave on one group.
         self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
-        timeout = DelayedAverager.timeout(self.peer_timeout_s)
+        timeout = timedelta(seconds=self.peer_timeout_s)
         self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
         self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
 

@@ -44,7 +44,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
 from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
-from lightning_syncasync.algorithms.compression import Compressor, check_method
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
@@ -87,7 +87,6 @@ class MeasuredDDPStrategy(DDPStrategy):
         compression_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        check_method(compression, "compression")
         Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]  # bad options fail here
         if compression != "none" and (local_sgd is not None or kwargs.get("ddp_comm_hook")):
             raise ValueError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,9 +197,7 @@ def _hung_peer(rank: int, world: int, timeout_s: float) -> dict:
 
     topo = Topology(world, 1)  # 2 nodes of 1 rank
     node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
-    cross_group, _ = dist.new_subgroups_by_enumeration(
-        topo.all_cross_node(), timeout=DelayedAverager.timeout(timeout_s)
-    )
+    cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timedelta(seconds=timeout_s))
     avg = DelayedAverager([torch.zeros(4)], cross_group, node_group, 0, 1, 2, max_delay=0, timeout_s=timeout_s)
     if rank == 1:
         time.sleep(timeout_s + 6)  # hung: never joins the average
