@@ -101,3 +101,19 @@ class ManualTwoOptimizersModel(TinyModel):
             torch.optim.SGD(self.net[0].parameters(), lr=0.1),
             torch.optim.Adam(self.net[2].parameters(), lr=0.01),
         )
+
+
+class IterableDataModel(TinyModel):
+    """TinyModel fed by an iterable dataset (no __len__): AdaptiveBatchSize must refuse it clearly."""
+
+    def train_dataloader(self):
+        from torch.utils.data import IterableDataset
+
+        class Stream(IterableDataset):
+            def __iter__(self):
+                g = torch.Generator().manual_seed(0)
+                for _ in range(64):
+                    x = torch.randn(8, generator=g)
+                    yield x, (x[0] > 0).long()
+
+        return DataLoader(Stream(), batch_size=16)

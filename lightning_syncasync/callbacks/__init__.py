@@ -1,6 +1,7 @@
-"""Lightning callbacks: live synchronisation metrics (and, as they land, adaptive batch sizes and mode switching)."""
+"""Lightning callbacks: live synchronisation metrics adaptive per-rank batch sizes, straggler emulation."""
 
+from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 from lightning_syncasync.callbacks.straggler import StragglerEmulator
 
-__all__ = ["StragglerEmulator", "SyncMonitor"]
+__all__ = ["AdaptiveBatchSize", "StragglerEmulator", "SyncMonitor"]

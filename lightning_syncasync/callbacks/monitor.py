@@ -51,7 +51,7 @@ class SyncMonitor(Callback):
     ``epoch_global_samples_per_s`` (sum of the ranks' rates) and ``epoch_bytes_per_step``. After ``fit`` the
     aggregated figures are in :attr:`summary` on every rank, with ``fit_wall_s`` and ``val_history`` (each
     validation's wall-clock time since fit started, the same without the time spent validating, step, samples seen by
-    this rank, and ``val*`` metrics).
+    this rank, and ``val*`` metrics) and ``events`` (decisions policies reported through :meth:`record_event`).
 
     Args:
         prefix: metric name prefix.
@@ -102,6 +102,18 @@ class SyncMonitor(Callback):
         self._last_end: float | None = None
         self._samples_seen = 0
         self.val_history: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+
+    def record_event(self, kind: str, step: int, **fields: Any) -> None:
+        """Keep a policy's decision (a batch rebalance, a mode switch) for the summary's ``events`` list.
+
+        Policies call this on every rank with the same decision; the summary written by rank 0 lists each once.
+        """
+        self.events.append({"kind": kind, "step": step, "train_s": self._train_s(), **fields})
+
+    def _train_s(self) -> float:
+        # Time since fit started without the time spent validating (0 before fit).
+        return time.perf_counter() - self._fit_start - self._val_total_s if self._fit_start else 0.0
 
     @property
     def recorder(self) -> StatsRecorder | None:
@@ -127,6 +139,7 @@ class SyncMonitor(Callback):
         self._rate = None
         self.summary = {}
         self.val_history = []
+        self.events = []
         self._samples_seen = 0
         self._steps_seen = 0
         self._fit_start = time.perf_counter()
@@ -231,7 +244,7 @@ class SyncMonitor(Callback):
             {
                 "elapsed_s": time.perf_counter() - self._fit_start,
                 # Training time only: how often a benchmark validates must not change a time-to-accuracy figure.
-                "train_s": time.perf_counter() - self._fit_start - self._val_total_s,
+                "train_s": self._train_s(),
                 "step": trainer.global_step,
                 "samples": self._samples_seen,
                 "metrics": metrics,
@@ -252,6 +265,7 @@ class SyncMonitor(Callback):
         # This rank's whole-run histograms of version staleness and SSP clock gaps ({value: count}).
         self.summary["histograms"] = {k: dict(sorted(v.items())) for k, v in self._recorder.histograms.items()}
         self.summary["val_history"] = self.val_history
+        self.summary["events"] = self.events
         if self.print_summary:
             _print_summary(self.summary)
         if self.summary_file and trainer.is_global_zero:

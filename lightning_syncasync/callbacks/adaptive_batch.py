@@ -1,0 +1,364 @@
+"""``AdaptiveBatchSize``: per-rank batch sizes from measured speed, with the global batch and the update unchanged.
+
+In a synchronous job every step waits for the slowest rank. This callback keeps the global batch ``B`` fixed and
+gives each rank a share proportional to its measured compute throughput, so all ranks finish their part of a step
+at about the same time (:class:`~lightning_syncasync.algorithms.batching.BatchBalancer` has the arithmetic).
+
+Three pieces make that safe for any LightningModule:
+
+* **Data.** The training loader's sampler is replaced (at the point where Lightning injects its own
+  ``DistributedSampler``: the strategy's ``process_dataloader``) by a
+  :class:`~lightning_syncasync.algorithms.batch_sampler.VariableBatchSampler`: every global step takes the next ``B``
+  indices of the epoch's permutation and rank ``i`` gets its slice of ``b_i``. Each sample is still seen exactly once
+  per epoch, and every rank has the same number of steps.
+* **Unbiased update.** DDP averages gradients uniformly over ranks. With unequal batches, rank ``i``'s loss gradient
+  is scaled by ``N * b_i / B`` (a hook on the loss tensor, registered in ``on_before_backward``, so it works with
+  automatic and manual optimisation, gradient accumulation and AMP scaling), which makes the averaged gradient the
+  mean over the ``B`` samples: the single-process update on the same batch. This assumes the loss is a mean over the
+  batch (torch's default ``reduction``); for a summed loss pass ``loss_reduction="sum"``.
+* **One decision.** Every ``interval`` batches, each rank's compute throughput since the last decision (samples per
+  second of compute, communication waits excluded, from the same ``StatsRecorder`` that ``SyncMonitor`` closes) is
+  gathered; rank 0 decides (with hysteresis and bounds) and broadcasts; all ranks schedule the new split from the same
+  sampler step, past anything their loaders have prefetched.
+
+With ``hier_sync`` each node keeps an equal share of ``B`` (node models are averaged uniformly, so only then is the
+update unbiased); ranks are rebalanced inside their node. Decisions go to ``SyncMonitor``'s summary (``events``),
+each rank's batch size is logged as ``syncasync/batch_size``, and the split is part of checkpoints, so a resumed run
+continues with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from typing_extensions import override
+
+from lightning_syncasync.algorithms.batch_sampler import VariableBatchSampler
+from lightning_syncasync.algorithms.batching import BatchBalancer
+from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
+from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.callbacks._stats_source import stats_recorder
+from lightning_syncasync.callbacks.monitor import SyncMonitor
+
+log = logging.getLogger(__name__)
+
+_REDUCTIONS = ("mean", "sum")
+
+
+class AdaptiveBatchSize(Callback):
+    """Per-rank batch sizes proportional to measured compute speed (see the module docstring).
+
+    Args:
+        interval: batches between two rebalancing decisions (all ranks decide together).
+        global_batch: samples per step over all ranks; default the training loader's ``batch_size`` x ranks.
+        min_batch: smallest per-rank batch.
+        max_batch: largest per-rank batch (memory cap): one int for all ranks, a list with one per rank, or
+            ``None`` for none.
+        sizes: initial split (one size per rank, summing to the global batch); default an even split. With
+            ``adapt=False`` this is a static split, for clusters whose speeds are known in advance.
+        adapt: rebalance from measurements every ``interval`` batches.
+        hysteresis: adopt a new split only if it predicts a step this much shorter (0.05 = 5%).
+        warmup_steps: batches at the start of fit not measured (one-off start-up costs).
+        loss_reduction: ``"mean"`` if the loss is averaged over the batch (torch's default), ``"sum"`` if summed.
+        seed: permutation seed; default the seed of the sampler Lightning injected (0).
+
+    Example::
+
+        Trainer(strategy="ddp", devices=4, callbacks=[SyncMonitor(), AdaptiveBatchSize(interval=10)])
+    """
+
+    def __init__(
+        self,
+        interval: int = 10,
+        global_batch: int | None = None,
+        min_batch: int = 1,
+        max_batch: int | list[int] | None = None,
+        sizes: list[int] | None = None,
+        adapt: bool = True,
+        hysteresis: float = 0.05,
+        warmup_steps: int = 3,
+        loss_reduction: str = "mean",
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1 (batches between rebalancing decisions), got {interval}")
+        if global_batch is not None and global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+        if min_batch < 1:
+            raise ValueError(f"min_batch must be >= 1, got {min_batch}")
+        highs = [max_batch] if isinstance(max_batch, int) else list(max_batch or [])
+        if highs and min(highs) < min_batch:
+            raise ValueError(
+                f"min_batch ({min_batch}) > max_batch ({min(highs)}): no split satisfies both; lower min_batch or "
+                "raise max_batch"
+            )
+        if not 0.0 <= hysteresis < 1.0:
+            raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if loss_reduction not in _REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}")
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"sizes must give every rank a batch >= 1, got {sizes}")
+        self.interval = interval
+        self.global_batch = global_batch
+        self.min_batch = min_batch
+        self.max_batch = list(max_batch) if isinstance(max_batch, (list, tuple)) else max_batch
+        self.sizes = list(sizes) if sizes is not None else None
+        self.adapt = adapt
+        self.hysteresis = hysteresis
+        self.warmup_steps = warmup_steps
+        self.loss_reduction = loss_reduction
+        self.seed = seed
+        self.decisions: list[dict[str, Any]] = []
+        self.sampler: VariableBatchSampler | None = None
+        self.balancer: BatchBalancer | None = None
+        self._restored: dict[str, Any] | None = None
+        self._unpatch: Callable[[], None] | None = None
+        self._recorder: StatsRecorder | None = None
+        self._monitor: SyncMonitor | None = None
+        self._batches = 0
+        self._weight = 1.0
+        self._batch_size = 0
+        self._last_seen: StepStats | None = None
+        self._samples = 0.0
+        self._compute_s = 0.0
+
+    @property
+    def current_sizes(self) -> list[int] | None:
+        """The split in force for the batches being scheduled now (``None`` before fit)."""
+        return self.sampler.sizes if self.sampler is not None else None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._monitor = next((c for c in trainer.callbacks if isinstance(c, SyncMonitor)), None)
+        if self._monitor is None:
+            # The throughput this callback balances on comes from the StatsRecorder whose steps SyncMonitor opens
+            # and closes; without one, add a quiet one (no progress-bar field, no summary table).
+            self._monitor = SyncMonitor(progress_bar=False, print_summary=False)
+            trainer.callbacks.append(self._monitor)
+            rank_zero_info("AdaptiveBatchSize: added a SyncMonitor to measure per-rank compute throughput")
+        self._patch_dataloader_injection(trainer)
+
+    def _patch_dataloader_injection(self, trainer: pl.Trainer) -> None:
+        # Lightning hands every dataloader to `strategy.process_dataloader` right after injecting its
+        # DistributedSampler and before measuring the loader's length and starting the fetcher: the one point where
+        # the training loader can be replaced for any strategy, including on `reload_dataloaders_every_n_epochs`.
+        strategy = trainer.strategy
+        original = strategy.process_dataloader
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            if trainer.training and isinstance(dataloader, DataLoader):
+                dataloader = self._replace_loader(trainer, dataloader)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+        def unpatch() -> None:
+            if strategy.__dict__.get("process_dataloader") is process_dataloader:
+                del strategy.process_dataloader
+
+        self._unpatch = unpatch
+
+    def _replace_loader(self, trainer: pl.Trainer, loader: DataLoader) -> DataLoader:
+        if isinstance(loader.batch_sampler, VariableBatchSampler):
+            return loader
+        dataset = loader.dataset
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"AdaptiveBatchSize needs a map-style dataset with __len__ to split each global batch by index; "
+                f"{type(dataset).__name__} is iterable. Use a map-style dataset, or drop AdaptiveBatchSize (an "
+                "iterable dataset decides batch composition itself)"
+            )
+        shuffle, seed = self._order_of(loader.sampler)
+        world = trainer.world_size
+        if self.global_batch is not None:
+            global_batch = self.global_batch
+        elif loader.batch_size is not None:
+            global_batch = loader.batch_size * world
+        else:
+            raise ValueError(
+                "the training DataLoader has a custom batch_sampler, so its batch size is unknown; pass "
+                "AdaptiveBatchSize(global_batch=...) with the samples per step over all ranks"
+            )
+        if global_batch < world * self.min_batch:
+            raise ValueError(
+                f"global batch {global_batch} is smaller than {world} ranks x min_batch {self.min_batch}: some rank "
+                "would get no sample. Raise the batch size (or global_batch) or use fewer ranks"
+            )
+        topology = getattr(trainer.strategy, "topology", None)
+        groups = topology.all_nodes() if isinstance(topology, Topology) and topology.num_nodes > 1 else None
+        self.balancer = BatchBalancer(
+            global_batch, world, self.min_batch, self.max_batch, groups=groups, hysteresis=self.hysteresis
+        )
+        sizes = self._initial_sizes(self.balancer)
+        self.sampler = VariableBatchSampler(
+            len(dataset), trainer.global_rank, sizes, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
+        )
+        if type(loader) is not DataLoader:
+            rank_zero_warn(
+                f"AdaptiveBatchSize rebuilds the training loader as a plain DataLoader; arguments specific to "
+                f"{type(loader).__name__} are not carried over"
+            )
+        kwargs: dict[str, Any] = {
+            "batch_sampler": self.sampler,
+            "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "generator": loader.generator,
+            "persistent_workers": loader.persistent_workers,
+            "pin_memory_device": loader.pin_memory_device,
+        }
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        rank_zero_info(
+            f"AdaptiveBatchSize: global batch {global_batch} split {sizes} over {world} ranks"
+            + (f" (per node {global_batch // len(groups)})" if groups else "")
+        )
+        return DataLoader(dataset, **kwargs)
+
+    def _order_of(self, sampler: object) -> tuple[bool, int]:
+        # The replaced sampler says whether the epoch is shuffled and with which seed.
+        if isinstance(sampler, DistributedSamplerWrapper):
+            raise ValueError(
+                "AdaptiveBatchSize replaces the training sampler, and this loader has a custom sampler (Lightning "
+                "wrapped it in a DistributedSamplerWrapper) whose order it cannot reproduce. Use shuffle=True/False "
+                "in the DataLoader instead of a custom sampler"
+            )
+        if isinstance(sampler, DistributedSampler):
+            return sampler.shuffle, sampler.seed if self.seed is None else self.seed
+        if isinstance(sampler, RandomSampler):
+            return True, 0 if self.seed is None else self.seed
+        if isinstance(sampler, SequentialSampler):
+            return False, 0 if self.seed is None else self.seed
+        raise ValueError(
+            f"AdaptiveBatchSize replaces the training sampler and cannot reproduce a {type(sampler).__name__}; "
+            "use shuffle=True/False in the DataLoader instead of a custom sampler"
+        )
+
+    def _initial_sizes(self, balancer: BatchBalancer) -> list[int]:
+        restored = self._restored
+        if restored is not None:
+            sizes = restored.get("sizes")
+            if restored.get("global_batch") == balancer.global_batch and sizes and len(sizes) == balancer.world_size:
+                return balancer.check(sizes)
+            rank_zero_warn(
+                f"AdaptiveBatchSize: the checkpoint's split {sizes} (global batch {restored.get('global_batch')}) "
+                f"does not fit this run ({balancer.world_size} ranks, global batch {balancer.global_batch}); "
+                "starting from an even split"
+            )
+        if self.sizes is not None:
+            return balancer.check(self.sizes)
+        return balancer.even_split()
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._recorder = stats_recorder(trainer)
+        self._batches = 0
+        self._last_seen = None
+        self._samples = self._compute_s = 0.0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.sampler is None:
+            return
+        if self.sampler.issued:
+            b, total = self.sampler.issued.popleft()
+        else:  # not a batch of ours (should not happen): leave the gradient as it is
+            b, total = self.sampler.sizes[trainer.global_rank], self.sampler.global_batch
+        self._batch_size = b
+        n = trainer.world_size
+        self._weight = n * b / total if self.loss_reduction == "mean" else n / total
+        # The step SyncMonitor closed last is the previous batch: add it to the measurement window.
+        last = self._recorder.last if self._recorder is not None else None
+        if last is not None and last is not self._last_seen:
+            self._last_seen = last
+            if self._batches > self.warmup_steps:
+                self._samples += last.samples
+                self._compute_s += last.compute_s
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.sampler is not None and self._weight != 1.0 and loss.requires_grad:
+            weight = self._weight
+            # Scaling the gradient that flows out of the loss scales every parameter gradient by the same factor
+            # before DDP (or any strategy) averages them; the logged loss is left untouched.
+            loss.register_hook(lambda grad: grad * weight)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.sampler is None:
+            return
+        self._batches += 1
+        prefix = self._monitor.prefix if self._monitor is not None else "syncasync/"
+        pl_module.log(f"{prefix}batch_size", float(self._batch_size), on_step=True, on_epoch=False, batch_size=1)
+        if self.adapt and self._batches % self.interval == 0 and trainer.world_size > 1:
+            self._rebalance(trainer, pl_module)
+
+    def _rebalance(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.sampler is not None and self.balancer is not None
+        local = torch.tensor(
+            [self._samples, self._compute_s, float(self.sampler.produced)], dtype=torch.float64, device=pl_module.device
+        )
+        rows = trainer.strategy.all_gather(local).reshape(trainer.world_size, 3).cpu().tolist()
+        self._samples = self._compute_s = 0.0
+        throughput = [s / c if c > 0 else 0.0 for s, c, _ in rows]
+        current = self.sampler.sizes
+        decision = None
+        if trainer.is_global_zero:
+            decision = self.balancer.decide(current, throughput)
+        # One decision for everyone: floating-point differences between ranks can never split the job.
+        decision = trainer.strategy.broadcast(decision, src=0)
+        if decision is None:
+            return
+        # Past every rank's prefetched batches, so all ranks switch at the same global step.
+        start = self.sampler.set_sizes(decision, from_step=int(max(r[2] for r in rows)))
+        event = {
+            "batch": self._batches,
+            "from_sampler_step": start,
+            "sizes": decision,
+            "previous": current,
+            "throughput": [round(t, 2) for t in throughput],
+            "predicted_speedup": BatchBalancer.step_time(current, throughput)
+            / BatchBalancer.step_time(decision, throughput),
+        }
+        self.decisions.append({"step": trainer.global_step, **event})
+        if self._monitor is not None:
+            self._monitor.record_event("rebalance", trainer.global_step, **event)
+        log.info("rank %d: rebalanced %s -> %s (throughput %s)", trainer.global_rank, current, decision, throughput)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._unpatch is not None:
+            self._unpatch()
+            self._unpatch = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        sizes = self.sampler.sizes if self.sampler is not None else (self._restored or {}).get("sizes")
+        global_batch = self.sampler.global_batch if self.sampler is not None else None
+        return {"sizes": sizes, "global_batch": global_batch, "decisions": self.decisions[-100:]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict)
+        self.decisions = list(state_dict.get("decisions", []))

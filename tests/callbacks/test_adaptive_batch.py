@@ -1,0 +1,147 @@
+"""AdaptiveBatchSize in real Lightning runs: unequal batches give the single-process update, splits follow speed."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _models import IterableDataModel, TinyLoggingModel, TinyModel  # noqa: E402 (tests/ is on sys.path)
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_syncasync.callbacks import AdaptiveBatchSize, SyncMonitor
+
+
+def _trainer(tmp_path: Path, **kwargs) -> Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    return Trainer(default_root_dir=tmp_path, **{**defaults, **kwargs})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "hier_sync_spawn"])
+def test_unequal_batches_give_the_single_process_update_on_the_same_32_samples(tmp_path, strategy):
+    torch.manual_seed(0)
+    model = TinyModel()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    if strategy == "ddp_spawn":
+        chosen, sizes = "ddp_spawn", [3, 5, 8, 16]
+    else:  # two virtual nodes of two ranks, averaged every step without delay: must equal flat DDP
+        from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
+
+        chosen = HierSyncStrategy(node_size=2, inter_period=1, max_delay=0, start_method="spawn")
+        sizes = [3, 13, 8, 8]  # each node keeps 16 of the 32
+    adaptive = AdaptiveBatchSize(global_batch=32, sizes=sizes, adapt=False)
+    trainer = _trainer(tmp_path, strategy=chosen, devices=4, max_steps=1, callbacks=[adaptive])
+    trainer.fit(model)
+    # Reference: one process, one SGD step on the first 32 indices of the epoch-0 permutation (seed 0), the same
+    # order Lightning's DistributedSampler would have drawn.
+    ref = TinyModel()
+    ref.load_state_dict(start)
+    x, y = ref.train_dataloader().dataset.tensors
+    idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:32]
+    loss = nn.functional.cross_entropy(ref.net(x[idx]), y[idx])
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{strategy}: {name} differs")
+
+
+@pytest.mark.timeout(240)
+def test_a_slow_rank_gets_a_smaller_batch_and_the_decision_is_logged_and_checkpointed(tmp_path):
+    summary_file = tmp_path / "summary.json"
+    adaptive = AdaptiveBatchSize(interval=4, warmup_steps=2)
+    trainer = _trainer(
+        tmp_path,
+        strategy="ddp_spawn",
+        devices=2,
+        max_steps=24,
+        logger=CSVLogger(tmp_path, name="csv", version=0),
+        log_every_n_steps=1,
+        enable_checkpointing=True,
+        callbacks=[
+            SyncMonitor(summary_file=str(summary_file), print_summary=False),
+            adaptive,
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+        ],
+    )
+    # Rank 1 sleeps 30 ms per step on top of ~1 ms of compute: it must end up with much less than half the batch.
+    trainer.fit(TinyLoggingModel(slow_rank=1, delay=0.03))
+    summary = json.loads(summary_file.read_text())
+    events = [e for e in summary["events"] if e["kind"] == "rebalance"]
+    assert events, summary["events"]
+    final = events[-1]["sizes"]
+    assert sum(final) == 32 and final[1] < final[0], events
+    assert events[0]["throughput"][1] < events[0]["throughput"][0]
+    assert events[0]["predicted_speedup"] > 1.05
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        logged = [float(r["syncasync/batch_size"]) for r in csv.DictReader(f) if r.get("syncasync/batch_size")]
+    assert logged[0] == 16 and logged[-1] == final[0], logged  # rank 0 logs its own share
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    saved = next(v for k, v in state.items() if k.startswith("AdaptiveBatchSize"))
+    assert saved["sizes"] == final and saved["global_batch"] == 32
+
+    # Resuming continues with the saved split (rebalancing off, so nothing else could have produced it).
+    resumed = AdaptiveBatchSize(adapt=False)
+    trainer = _trainer(
+        tmp_path,
+        strategy="ddp_spawn",
+        devices=2,
+        max_steps=28,
+        logger=CSVLogger(tmp_path, name="csv", version=1),
+        log_every_n_steps=1,
+        callbacks=[resumed],
+    )
+    trainer.fit(TinyLoggingModel(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    with open(tmp_path / "csv" / "version_1" / "metrics.csv") as f:
+        logged = [float(r["syncasync/batch_size"]) for r in csv.DictReader(f) if r.get("syncasync/batch_size")]
+    assert logged and set(logged) == {final[0]}, logged
+
+
+def test_iterable_dataset_is_refused_with_a_clear_error(tmp_path):
+    trainer = _trainer(tmp_path, devices=1, max_steps=1, callbacks=[AdaptiveBatchSize()])
+    with pytest.raises(TypeError, match="map-style dataset"):
+        trainer.fit(IterableDataModel())
+
+
+def test_global_batch_smaller_than_ranks_times_min_batch_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, devices=1, max_steps=1, callbacks=[AdaptiveBatchSize(global_batch=1, min_batch=2)])
+    with pytest.raises(ValueError, match="smaller than 1 ranks x min_batch 2"):
+        trainer.fit(TinyModel())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"interval": 0}, "interval must be >= 1"),
+        ({"min_batch": 9, "max_batch": 8}, r"min_batch \(9\) > max_batch"),
+        ({"loss_reduction": "none"}, "loss_reduction"),
+        ({"sizes": [0, 4]}, "sizes"),
+    ],
+)
+def test_bad_arguments_name_the_setting(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveBatchSize(**kwargs)
+
+
+def test_single_process_keeps_the_whole_batch_and_validation_is_untouched(tmp_path):
+    adaptive = AdaptiveBatchSize()
+    trainer = _trainer(tmp_path, devices=1, max_steps=3, limit_val_batches=2, val_check_interval=2,
+                       callbacks=[adaptive])  # fmt: skip
+    model = TinyLoggingModel()
+    trainer.fit(model)
+    assert adaptive.current_sizes == [16]
+    assert trainer.val_dataloaders.batch_size == 16  # only the training loader is replaced
+    assert type(trainer.train_dataloader.batch_sampler).__name__ == "VariableBatchSampler"
