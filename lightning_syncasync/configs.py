@@ -153,7 +153,7 @@ def _schemas() -> dict[str, type]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_syncasync.callbacks import StragglerEmulator, SyncMonitor
+    from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor
     from lightning_syncasync.demo import (
         Classifier,
         DigitsDataModule,
@@ -195,6 +195,7 @@ def _schemas() -> dict[str, type]:
         ),
         "callbacks/sync_monitor": builds(SyncMonitor),
         "callbacks/straggler_emulator": builds(StragglerEmulator),
+        "callbacks/adaptive_batch": builds(AdaptiveBatchSize),
         "callbacks/model_checkpoint": builds(ModelCheckpoint),
         "callbacks/early_stopping": builds(EarlyStopping),
         "callbacks/rich_progress_bar": builds(RichProgressBar),

@@ -111,6 +111,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             )
         lines += [""] + _answers(name, by_strategy, table) + [""]
     lines += ["![throughput](throughput.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
+    if any(e.get("kind") == "rebalance" for r in records for e in r.get("events", [])):
+        lines += ["![per-rank batch sizes](batch_split.png)", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -158,6 +160,71 @@ def _answers(name: str, by_strategy: dict[str, dict[str, Any]], table: dict[str,
             why = _explain(name, strategy, s)
             if why:
                 out.append(why)
+    for strategy, s in by_strategy.items():
+        out.extend(_rebalances(name, strategy, s))
+    return out
+
+
+def rebalance_lags(scenario: str, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """For each scheduled slowdown change, the steps until a rebalance moved the slow rank's share the right way.
+
+    ``[{"rank", "change_step", "direction" ("slower"/"recovered"), "decision_step" or None, "lag" or None}]``.
+    """
+    from lightning_syncasync.callbacks.straggler import parse_schedule
+
+    sc = SCENARIOS.get(scenario)
+    if sc is None or not sc.schedule:
+        return []
+    steps = run.get("steps") or 0
+    events = [e for e in run.get("events", []) if e.get("kind") == "rebalance"]
+    out = []
+    for w in parse_schedule(sc.schedule):
+        for frac, direction in ((w.start, "slower"), (w.end, "recovered")):
+            if frac >= 1.0:
+                continue
+            change = round(frac * steps)
+            hit = next(
+                (
+                    e
+                    for e in events
+                    if e["step"] >= change
+                    and (e["sizes"][w.rank] < e["previous"][w.rank]) == (direction == "slower")
+                    and e["sizes"][w.rank] != e["previous"][w.rank]
+                ),
+                None,
+            )
+            out.append(
+                {
+                    "rank": w.rank,
+                    "change_step": change,
+                    "direction": direction,
+                    "decision_step": None if hit is None else hit["step"],
+                    "lag": None if hit is None else hit["step"] - change,
+                }
+            )
+    return out
+
+
+def _rebalances(scenario: str, strategy: str, s: dict[str, Any]) -> list[str]:
+    """AdaptiveBatchSize's decisions in this scenario: how often, the final split, and reaction times."""
+    run = next((r for r in s["runs"] if any(e.get("kind") == "rebalance" for e in r.get("events", []))), None)
+    if run is None:
+        return []
+    events = [e for e in run["events"] if e.get("kind") == "rebalance"]
+    out = [
+        f"- {strategy} rebalanced {len(events)} times (first at step {events[0]['step']}: {events[0]['previous']} "
+        f"-> {events[0]['sizes']}); final split {events[-1]['sizes']}."
+    ]
+    for lag in rebalance_lags(scenario, run):
+        when = (
+            f"{lag['lag']} steps after it (step {lag['decision_step']})"
+            if lag["lag"] is not None
+            else "never (no rebalance in that direction)"
+        )
+        out.append(
+            f"- {strategy}: rank {lag['rank']} {'slowed down' if lag['direction'] == 'slower' else 'recovered'} at "
+            f"step {lag['change_step']}; its batch was rebalanced {when}."
+        )
     return out
 
 
@@ -228,4 +295,37 @@ def write_plots(out_dir: Path, records: list[dict[str, Any]]) -> list[Path]:
     accuracy = out_dir / "accuracy_vs_time.png"
     fig.savefig(accuracy, dpi=110)
     plt.close(fig)
-    return [throughput, accuracy]
+    paths = [throughput, accuracy]
+    split = _plot_batch_split(out_dir, table, plt)
+    return paths + ([split] if split else [])
+
+
+def _plot_batch_split(out_dir: Path, table: dict[str, Any], plt: Any) -> Path | None:
+    """Per-rank batch sizes over training for the runs that rebalanced, with the scheduled slowdown changes."""
+    panels = []
+    for sc, by_strategy in table.items():
+        for strategy, s in by_strategy.items():
+            run = next((r for r in s["runs"] if any(e.get("kind") == "rebalance" for e in r.get("events", []))), None)
+            if run is not None:
+                panels.append((sc, strategy, run))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (sc, strategy, run) in zip(axes[0], panels, strict=True):
+        events = [e for e in run["events"] if e.get("kind") == "rebalance"]
+        world = len(events[0]["sizes"])
+        steps = [0] + [e["step"] for e in events] + [run.get("steps") or events[-1]["step"]]
+        for rank in range(world):
+            sizes = [events[0]["previous"][rank]] + [e["sizes"][rank] for e in events]
+            ax.step(steps, sizes + sizes[-1:], where="post", label=f"rank {rank}")
+        for lag in rebalance_lags(sc, run):
+            ax.axvline(lag["change_step"], color="gray", ls=":")
+        ax.set_title(f"{sc}: {strategy}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("batch size")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "batch_split.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -240,6 +240,8 @@ class BenchRunner:
             ],  # fmt: skip
             final_val_metric=history[-1]["metrics"].get(scenario.metric) if history else None,
             config=results["config"],
+            # Policies' decisions (AdaptiveBatchSize rebalances), each with the step it was taken at.
+            events=summary.get("events", []),
         )
         for h in record["val_history"]:
             if h["value"] is not None and scenario.reached(h["value"], self.quick):
