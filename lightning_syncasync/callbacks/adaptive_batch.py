@@ -66,6 +66,9 @@ class AdaptiveBatchSize(Callback):
             ``adapt=False`` this is a static split, for clusters whose speeds are known in advance.
         adapt: rebalance from measurements every ``interval`` batches.
         hysteresis: adopt a new split only if it predicts a step this much shorter (0.05 = 5%).
+        smoothing: weight of the previous throughput estimate when a new window's measurement arrives (0 = use
+            each window alone). Per-sample throughput hardly depends on the batch size, so estimates carry over
+            across rebalances; smoothing keeps step-to-step noise from moving samples back and forth.
         warmup_steps: batches at the start of fit not measured (one-off start-up costs).
         loss_reduction: ``"mean"`` if the loss is averaged over the batch (torch's default), ``"sum"`` if summed.
         seed: permutation seed; default the seed of the sampler Lightning injected (0).
@@ -84,6 +87,7 @@ class AdaptiveBatchSize(Callback):
         sizes: list[int] | None = None,
         adapt: bool = True,
         hysteresis: float = 0.05,
+        smoothing: float = 0.5,
         warmup_steps: int = 3,
         loss_reduction: str = "mean",
         seed: int | None = None,
@@ -103,6 +107,8 @@ class AdaptiveBatchSize(Callback):
             )
         if not 0.0 <= hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1) (weight of the previous estimate), got {smoothing}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if loss_reduction not in _REDUCTIONS:
@@ -116,6 +122,7 @@ class AdaptiveBatchSize(Callback):
         self.sizes = list(sizes) if sizes is not None else None
         self.adapt = adapt
         self.hysteresis = hysteresis
+        self.smoothing = smoothing
         self.warmup_steps = warmup_steps
         self.loss_reduction = loss_reduction
         self.seed = seed
@@ -132,6 +139,7 @@ class AdaptiveBatchSize(Callback):
         self._last_seen: StepStats | None = None
         self._samples = 0.0
         self._compute_s = 0.0
+        self._throughput: list[float] | None = None
 
     @property
     def current_sizes(self) -> list[int] | None:
@@ -272,6 +280,7 @@ class AdaptiveBatchSize(Callback):
         self._batches = 0
         self._last_seen = None
         self._samples = self._compute_s = 0.0
+        self._throughput = None
 
     @override
     def on_train_batch_start(
@@ -321,7 +330,14 @@ class AdaptiveBatchSize(Callback):
         )
         rows = trainer.strategy.all_gather(local).reshape(trainer.world_size, 3).cpu().tolist()
         self._samples = self._compute_s = 0.0
-        throughput = [s / c if c > 0 else 0.0 for s, c, _ in rows]
+        measured = [s / c if c > 0 else 0.0 for s, c, _ in rows]
+        previous = self._throughput
+        if previous is None or any(p <= 0 for p in previous) or any(m <= 0 for m in measured):
+            throughput = measured
+        else:
+            a = self.smoothing
+            throughput = [a * p + (1 - a) * m for p, m in zip(previous, measured, strict=True)]
+        self._throughput = throughput
         current = self.sampler.sizes
         decision = None
         if trainer.is_global_zero:
