@@ -29,12 +29,13 @@ def _trainer(tmp_path: Path, **kwargs) -> Trainer:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp_spawn", "hier_sync_spawn"])
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "hier_sync_spawn", "ddp_spawn_accumulate"])
 def test_unequal_batches_give_the_single_process_update_on_the_same_32_samples(tmp_path, strategy):
     torch.manual_seed(0)
     model = TinyModel()
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    if strategy == "ddp_spawn":
+    accumulate = 2 if strategy.endswith("accumulate") else 1
+    if strategy.startswith("ddp_spawn"):
         chosen, sizes = "ddp_spawn", [3, 5, 8, 16]
     else:  # two virtual nodes of two ranks, averaged every step without delay: must equal flat DDP
         from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
@@ -42,14 +43,16 @@ def test_unequal_batches_give_the_single_process_update_on_the_same_32_samples(t
         chosen = HierSyncStrategy(node_size=2, inter_period=1, max_delay=0, start_method="spawn")
         sizes = [3, 13, 8, 8]  # each node keeps 16 of the 32
     adaptive = AdaptiveBatchSize(global_batch=32, sizes=sizes, adapt=False)
-    trainer = _trainer(tmp_path, strategy=chosen, devices=4, max_steps=1, callbacks=[adaptive])
+    trainer = _trainer(
+        tmp_path, strategy=chosen, devices=4, max_steps=1, accumulate_grad_batches=accumulate, callbacks=[adaptive]
+    )
     trainer.fit(model)
     # Reference: one process, one SGD step on the first 32 indices of the epoch-0 permutation (seed 0), the same
-    # order Lightning's DistributedSampler would have drawn.
+    # order Lightning's DistributedSampler would have drawn; with accumulation over 2 batches, the first 64.
     ref = TinyModel()
     ref.load_state_dict(start)
     x, y = ref.train_dataloader().dataset.tensors
-    idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:32]
+    idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[: 32 * accumulate]
     loss = nn.functional.cross_entropy(ref.net(x[idx]), y[idx])
     loss.backward()
     with torch.no_grad():
@@ -145,3 +148,22 @@ def test_single_process_keeps_the_whole_batch_and_validation_is_untouched(tmp_pa
     assert adaptive.current_sizes == [16]
     assert trainer.val_dataloaders.batch_size == 16  # only the training loader is replaced
     assert type(trainer.train_dataloader.batch_sampler).__name__ == "VariableBatchSampler"
+
+
+def test_report_measures_the_reaction_to_a_scheduled_slowdown():
+    from lightning_syncasync.bench.report import rebalance_lags
+
+    even, slow = [128, 128, 128, 128], [150, 150, 150, 62]
+    run = {
+        "steps": 120,
+        "events": [
+            {"kind": "rebalance", "step": 10, "previous": even, "sizes": [130, 128, 127, 127]},  # noise, before
+            {"kind": "rebalance", "step": 50, "previous": [130, 128, 127, 127], "sizes": slow},
+            {"kind": "rebalance", "step": 90, "previous": slow, "sizes": even},
+        ],
+    }
+    lags = rebalance_lags("mid_run_straggler", run)  # rank 3 2x slower from 0.333 to 0.667 of 120 steps
+    assert [(x["direction"], x["change_step"], x["lag"]) for x in lags] == [("slower", 40, 10), ("recovered", 80, 10)]
+    run["events"] = run["events"][:2]
+    assert rebalance_lags("mid_run_straggler", run)[1]["lag"] is None  # never rebalanced back: reported as such
+    assert rebalance_lags("straggler", run) == []  # no schedule, nothing to react to

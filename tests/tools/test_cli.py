@@ -24,6 +24,9 @@ def test_print_config_round_trips(tmp_path):
         "fit",
         "--trainer.strategy=ddp_spawn",
         "--trainer.callbacks+=lightning_syncasync.callbacks.SyncMonitor",
+        # Our callbacks resolve by their short names too, as the README shows.
+        "--trainer.callbacks+=AdaptiveBatchSize",
+        "--trainer.callbacks.init_args.interval=5",
         "--model.init_args.hidden=64",
     ]
     first = _cli(tmp_path, *args, "--print_config")
@@ -34,6 +37,9 @@ def test_print_config_round_trips(tmp_path):
     assert second.stdout == first.stdout
     cfg = yaml.safe_load(first.stdout)
     assert cfg["trainer"]["callbacks"][0]["class_path"] == "lightning_syncasync.callbacks.SyncMonitor"
+    adaptive = cfg["trainer"]["callbacks"][1]
+    assert adaptive["class_path"] == "lightning_syncasync.callbacks.AdaptiveBatchSize"
+    assert adaptive["init_args"]["interval"] == 5
     assert cfg["model"]["class_path"] == "lightning_syncasync.demo.Classifier"
     assert cfg["model"]["init_args"]["hidden"] == 64
 
