@@ -117,3 +117,21 @@ class IterableDataModel(TinyModel):
                     yield x, (x[0] > 0).long()
 
         return DataLoader(Stream(), batch_size=16)
+
+
+class LinearLossModel(TinyModel):
+    """Loss ``mean(w . x)`` on zero-mean inputs: per-sample gradients are the inputs themselves, whatever ``w`` is,
+    so the gradient noise scale is about the dataset size (512) for the whole run: grow_batch must grow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.net(x).mean()
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(512, 8, generator=g)
+        return DataLoader(TensorDataset(x, torch.zeros(512)), batch_size=16)

@@ -91,21 +91,27 @@ class VariableBatchSampler(Sampler[list[int]]):
             current = sizes
         return list(current)
 
-    def set_sizes(self, sizes: Sequence[int], from_step: int | None = None) -> int:
+    def set_sizes(self, sizes: Sequence[int], from_step: int | None = None, resize: bool = False) -> int:
         """Use ``sizes`` from sampler step ``from_step`` on (default: the next batch); return that step.
 
         All ranks must schedule the same change at the same step; it must not be one this sampler already produced.
+        The sizes must sum to the current global batch unless ``resize`` (an explicit change of the global batch,
+        e.g. growing it by the gradient noise scale); epochs then have fewer, larger steps.
         """
         sizes = [int(s) for s in sizes]
-        if len(sizes) != self.world_size or sum(sizes) != self.global_batch or min(sizes) < 1:
+        total = sum(sizes) if resize else self.global_batch
+        if len(sizes) != self.world_size or sum(sizes) != total or min(sizes) < 1:
             raise ValueError(
                 f"a new split must have {self.world_size} sizes >= 1 summing to the global batch "
                 f"{self.global_batch}, got {sizes}"
             )
+        if self.drop_last and total > self.dataset_len:
+            raise ValueError(f"drop_last with a global batch of {total} > {self.dataset_len} samples leaves no step")
         start = self.produced if from_step is None else int(from_step)
         if start < self.produced:
             raise ValueError(f"step {start} was already produced (next is {self.produced}); schedule a later one")
         self._schedule = [(s, z) for s, z in self._schedule if s < start] + [(start, sizes)]
+        self.global_batch = total
         # Drop entries nobody can use any more (all but the last one at or before the next step).
         while len(self._schedule) > 1 and self._schedule[1][0] <= self.produced:
             self._schedule.pop(0)
@@ -116,6 +122,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def __len__(self) -> int:
+        # Exact while the global batch stays fixed (a grown batch makes later epochs shorter than announced).
         if self.drop_last:
             return self.dataset_len // self.global_batch
         return math.ceil(self.dataset_len / self.global_batch)
@@ -130,11 +137,14 @@ class VariableBatchSampler(Sampler[list[int]]):
         # A new pass: batches prefetched by an abandoned iterator will never reach training.
         self.issued.clear()
         pos = 0
-        for _ in range(len(self)):
+        while pos < self.dataset_len:
             sizes = self.sizes_at(self.produced)
-            chunk = order[pos : pos + self.global_batch]
-            pos += self.global_batch
-            if len(chunk) < self.global_batch:
+            step_batch = sum(sizes)  # the global batch in force for this step (it only changes on request)
+            if self.drop_last and self.dataset_len - pos < step_batch:
+                break
+            chunk = order[pos : pos + step_batch]
+            pos += step_batch
+            if len(chunk) < step_batch:
                 sizes = _shrink(sizes, len(chunk))
                 if len(chunk) < self.world_size:
                     # Fewer samples left than ranks: every rank still needs one, so wrap around to the start of the

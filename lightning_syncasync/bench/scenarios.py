@@ -15,8 +15,9 @@ Workloads and what they mirror:
   slowest rank. The persistent straggler is a pause of 0.5x the rank's own compute time every step, on the same
   CPU share as the others: a CPU share divided by 1.5 made rank 3 1.43x slower when every rank trained alone but only
   1.2x slower inside DDP (0.554 vs 0.46 s of compute per step), because ranks that wait leave memory bandwidth to
-  the one that computes; a pause scaled by the rank's own compute is 1.5x in both. (At 16x16, as first chosen, DDP ran at only 74.7% of the limit without any straggler: gloo's
-  all-reduce costs CPU time on the capped ranks, and that is not the regime these scenarios stand for.)
+  the one that computes; a pause scaled by the rank's own compute is 1.5x in both. (At 16x16, as first chosen, DDP
+  ran at only 74.7% of the limit without any straggler: gloo's all-reduce costs CPU time on the capped ranks, and
+  that is not the regime these scenarios stand for.)
 """
 
 from __future__ import annotations

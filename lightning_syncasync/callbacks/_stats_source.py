@@ -9,7 +9,9 @@ and the batch-size policy all read one record.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
@@ -29,6 +31,7 @@ def stats_recorder(trainer: pl.Trainer) -> StatsRecorder:
     strategy = trainer.strategy
     own = getattr(strategy, "sync_stats", None)
     if isinstance(own, StatsRecorder):
+        _time_reduce(trainer, own)
         return own
     if strategy in _ATTACHED:
         return _ATTACHED[strategy]
@@ -51,5 +54,34 @@ def stats_recorder(trainer: pl.Trainer) -> StatsRecorder:
             f"SyncMonitor does not know how to measure communication of {type(strategy).__name__}; "
             "bytes and wait time will read 0. Strategies expose measurements through a `sync_stats` StatsRecorder."
         )
+    _time_reduce(trainer, recorder)
     log.debug("attached StatsRecorder to %s", type(strategy).__name__)
     return recorder
+
+
+_TIMED: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def _time_reduce(trainer: pl.Trainer, recorder: StatsRecorder) -> None:
+    """Count time blocked in ``strategy.reduce`` during training steps as wait time.
+
+    ``self.log(..., sync_dist=True)`` inside ``training_step`` all-reduces through ``strategy.reduce``: a hidden
+    synchronisation point where fast ranks wait for slow ones. Left unmeasured, that wait reads as compute, and a
+    per-rank speed (what ``AdaptiveBatchSize`` balances on) looks the same on every rank.
+    """
+    strategy = trainer.strategy
+    if strategy in _TIMED or trainer.world_size <= 1:
+        return
+    _TIMED.add(strategy)
+    original = strategy.reduce
+
+    def reduce(*args: Any, **kwargs: Any) -> Any:
+        if not trainer.training:
+            return original(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.record_wait(time.perf_counter() - start)
+
+    strategy.reduce = reduce  # type: ignore[method-assign]

@@ -43,8 +43,10 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms.batch_sampler import VariableBatchSampler
 from lightning_syncasync.algorithms.batching import BatchBalancer
+from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
 from lightning_syncasync.callbacks._stats_source import stats_recorder
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
@@ -72,6 +74,11 @@ class AdaptiveBatchSize(Callback):
         warmup_steps: batches at the start of fit not measured (one-off start-up costs).
         loss_reduction: ``"mean"`` if the loss is averaged over the batch (torch's default), ``"sum"`` if summed.
         seed: permutation seed; default the seed of the sampler Lightning injected (0).
+        grow_batch: (off by default) grow the global batch during training toward the measured gradient noise scale
+            (McCandlish et al. 2018), at most doubling per decision, and multiply the learning rate by AdaScale's
+            gain for the grown batch. Needs a flat all-reduce (``ddp``), no gradient accumulation, no fp16 loss
+            scaling. Epochs get fewer, larger steps; LR schedules are not stretched.
+        max_global_batch: upper bound of the grown global batch (default 8x the initial one, at most the dataset).
 
     Example::
 
@@ -91,6 +98,8 @@ class AdaptiveBatchSize(Callback):
         warmup_steps: int = 3,
         loss_reduction: str = "mean",
         seed: int | None = None,
+        grow_batch: bool = False,
+        max_global_batch: int | None = None,
     ) -> None:
         super().__init__()
         if interval < 1:
@@ -113,6 +122,8 @@ class AdaptiveBatchSize(Callback):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}")
+        if max_global_batch is not None and max_global_batch < 1:
+            raise ValueError(f"max_global_batch must be >= 1, got {max_global_batch}")
         if sizes is not None and (not sizes or min(sizes) < 1):
             raise ValueError(f"sizes must give every rank a batch >= 1, got {sizes}")
         self.interval = interval
@@ -126,6 +137,13 @@ class AdaptiveBatchSize(Callback):
         self.warmup_steps = warmup_steps
         self.loss_reduction = loss_reduction
         self.seed = seed
+        self.grow_batch = grow_batch
+        self.max_global_batch = max_global_batch
+        self.noise = GradientNoiseScale()
+        self.base_batch: int | None = None
+        self._max_batch_total = 0
+        self._probe: NoiseScaleProbe | None = None
+        self._step_total = 0
         self.decisions: list[dict[str, Any]] = []
         self.sampler: VariableBatchSampler | None = None
         self.balancer: BatchBalancer | None = None
@@ -206,8 +224,14 @@ class AdaptiveBatchSize(Callback):
                 f"global batch {global_batch} is smaller than {world} ranks x min_batch {self.min_batch}: some rank "
                 "would get no sample. Raise the batch size (or global_batch) or use fewer ranks"
             )
+        self.base_batch = global_batch
+        self._max_batch_total = min(self.max_global_batch or 8 * global_batch, len(dataset))
+        restored_batch = (self._restored or {}).get("global_batch")
+        if self.grow_batch and isinstance(restored_batch, int) and global_batch < restored_batch <= len(dataset):
+            global_batch = restored_batch  # a resumed run keeps the batch it had grown to
         topology = getattr(trainer.strategy, "topology", None)
         groups = topology.all_nodes() if isinstance(topology, Topology) and topology.num_nodes > 1 else None
+        self._groups = groups
         self.balancer = BatchBalancer(
             global_batch, world, self.min_batch, self.max_batch, groups=groups, hysteresis=self.hysteresis
         )
@@ -276,11 +300,38 @@ class AdaptiveBatchSize(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.grow_batch:
+            self._check_grow_batch(trainer)
+            self._probe = NoiseScaleProbe(pl_module.parameters(), trainer.optimizers)
+            self._probe.gain = float((self._restored or {}).get("gain") or 1.0)
         self._recorder = stats_recorder(trainer)
         self._batches = 0
         self._last_seen = None
         self._samples = self._compute_s = 0.0
         self._throughput = None
+
+    def _check_grow_batch(self, trainer: pl.Trainer) -> None:
+        # The noise-scale estimator pairs this rank's gradient with the average over *all* ranks of the same step.
+        from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+
+        topology = getattr(trainer.strategy, "topology", None)
+        hierarchical = isinstance(topology, Topology) and topology.num_nodes > 1
+        if isinstance(trainer.strategy, AsyncSSPStrategy) or hierarchical:
+            raise ValueError(
+                f"grow_batch needs a flat gradient all-reduce every step (ddp); {type(trainer.strategy).__name__} "
+                "averages across nodes in the background. Set grow_batch=False or use strategy='ddp'"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"grow_batch measures the gradient of each step's batch; accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches} mixes several. Grow the batch instead of accumulating, or set "
+                "grow_batch=False"
+            )
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "grow_batch reads gradient norms before fp16 loss scaling is undone; use precision='bf16-mixed' or "
+                "'32', or set grow_batch=False"
+            )
 
     @override
     def on_train_batch_start(
@@ -293,6 +344,9 @@ class AdaptiveBatchSize(Callback):
         else:  # not a batch of ours (should not happen): leave the gradient as it is
             b, total = self.sampler.sizes[trainer.global_rank], self.sampler.global_batch
         self._batch_size = b
+        self._step_total = total
+        if self._probe is not None:
+            self._probe.start_batch()
         n = trainer.world_size
         self._weight = n * b / total if self.loss_reduction == "mean" else n / total
         # The step SyncMonitor closed last is the previous batch: add it to the measurement window.
@@ -312,6 +366,11 @@ class AdaptiveBatchSize(Callback):
             loss.register_hook(lambda grad: grad * weight)
 
     @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._probe is not None:
+            self._probe.after_reduce(pl_module.parameters(), self._weight, self._batch_size, self._step_total)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -320,17 +379,28 @@ class AdaptiveBatchSize(Callback):
         self._batches += 1
         prefix = self._monitor.prefix if self._monitor is not None else "syncasync/"
         pl_module.log(f"{prefix}batch_size", float(self._batch_size), on_step=True, on_epoch=False, batch_size=1)
+        if self._probe is not None:
+            grown = {f"{prefix}global_batch": float(self._step_total), f"{prefix}adascale_gain": self._probe.gain}
+            if self.noise.noise_scale is not None:
+                grown[f"{prefix}noise_scale"] = self.noise.noise_scale
+            pl_module.log_dict(grown, on_step=True, on_epoch=False, batch_size=1)
         if self.adapt and self._batches % self.interval == 0 and trainer.world_size > 1:
             self._rebalance(trainer, pl_module)
 
     def _rebalance(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.sampler is not None and self.balancer is not None
+        probe = self._probe
+        window = [probe.grad_sq_sum, probe.trace_sum, float(probe.count)] if probe is not None else [0.0, 0.0, 0.0]
+        if probe is not None:
+            probe.reset_window()
         local = torch.tensor(
-            [self._samples, self._compute_s, float(self.sampler.produced)], dtype=torch.float64, device=pl_module.device
+            [self._samples, self._compute_s, float(self.sampler.produced), *window],
+            dtype=torch.float64,
+            device=pl_module.device,
         )
-        rows = trainer.strategy.all_gather(local).reshape(trainer.world_size, 3).cpu().tolist()
+        rows = trainer.strategy.all_gather(local).reshape(trainer.world_size, 6).cpu().tolist()
         self._samples = self._compute_s = 0.0
-        measured = [s / c if c > 0 else 0.0 for s, c, _ in rows]
+        measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in rows]
         previous = self._throughput
         if previous is None or any(p <= 0 for p in previous) or any(m <= 0 for m in measured):
             throughput = measured
@@ -339,15 +409,34 @@ class AdaptiveBatchSize(Callback):
             throughput = [a * p + (1 - a) * m for p, m in zip(previous, measured, strict=True)]
         self._throughput = throughput
         current = self.sampler.sizes
-        decision = None
+        decision: list[int] | None = None
+        grown = False
         if trainer.is_global_zero:
-            decision = self.balancer.decide(current, throughput)
+            if probe is not None:
+                pairs = sum(r[5] for r in rows)
+                if pairs > 0:
+                    self.noise.update(sum(r[3] for r in rows) / pairs, sum(r[4] for r in rows) / pairs)
+                new_batch = self._grown_batch()
+                if new_batch is not None and all(t > 0 for t in throughput):
+                    self.balancer = self._balancer_for(new_batch)
+                    decision, grown = self.balancer.propose(throughput), True
+            if decision is None:
+                decision = self.balancer.decide(current, throughput)
         # One decision for everyone: floating-point differences between ranks can never split the job.
-        decision = trainer.strategy.broadcast(decision, src=0)
+        decision, grown, gain, noise = trainer.strategy.broadcast(
+            (decision, grown, self._gain(), self.noise.state_dict()), src=0
+        )
+        if probe is not None:
+            probe.gain = gain
+            self.noise.load_state_dict(noise)
         if decision is None:
             return
+        if grown and not trainer.is_global_zero:
+            self.balancer = self._balancer_for(sum(decision))
         # Past every rank's prefetched batches, so all ranks switch at the same global step.
-        start = self.sampler.set_sizes(decision, from_step=int(max(r[2] for r in rows)))
+        start = self.sampler.set_sizes(decision, from_step=int(max(r[2] for r in rows)), resize=grown)
+        if grown and probe is not None:
+            probe.gain = self._gain()
         event = {
             "batch": self._batches,
             "from_sampler_step": start,
@@ -355,15 +444,52 @@ class AdaptiveBatchSize(Callback):
             "previous": current,
             "throughput": [round(t, 2) for t in throughput],
             "predicted_speedup": BatchBalancer.step_time(current, throughput)
-            / BatchBalancer.step_time(decision, throughput),
+            / BatchBalancer.step_time(decision, throughput)
+            * sum(current)
+            / sum(decision),
         }
-        self.decisions.append({"step": trainer.global_step, **event})
+        if grown:
+            event.update(global_batch=sum(decision), noise_scale=self.noise.noise_scale, adascale_gain=self._gain())
+        kind = "grow_batch" if grown else "rebalance"
+        self.decisions.append({"kind": kind, "step": trainer.global_step, **event})
         if self._monitor is not None:
-            self._monitor.record_event("rebalance", trainer.global_step, **event)
+            self._monitor.record_event(kind, trainer.global_step, **event)
         log.info("rank %d: rebalanced %s -> %s (throughput %s)", trainer.global_rank, current, decision, throughput)
+
+    def _grown_batch(self) -> int | None:
+        """The global batch to grow to (rank 0), or ``None``: toward the noise scale, at most 2x, by >= 25%."""
+        assert self.balancer is not None
+        noise = self.noise.noise_scale
+        current = self.balancer.global_batch
+        if noise is None or self.noise.updates < 3:
+            return None  # too few windows for a trustworthy estimate
+        world = self.balancer.world_size
+        groups = len(self.balancer.groups)
+        cap = min(self._max_batch_total, sum(self.balancer.max_batch))
+        target = min(int(noise), 2 * current, cap)
+        target -= target % (world * groups)  # keeps the split as even as it can be
+        return target if target >= 1.25 * current else None
+
+    def _balancer_for(self, global_batch: int) -> BatchBalancer:
+        return BatchBalancer(
+            global_batch,
+            self.balancer.world_size if self.balancer else 1,
+            self.min_batch,
+            self.max_batch,
+            groups=getattr(self, "_groups", None),
+            hysteresis=self.hysteresis,
+        )
+
+    def _gain(self) -> float:
+        if self.balancer is None or self.base_batch is None or not self.grow_batch:
+            return 1.0
+        return self.noise.gain(self.base_batch, self.balancer.global_batch)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
         if self._unpatch is not None:
             self._unpatch()
             self._unpatch = None
@@ -372,9 +498,17 @@ class AdaptiveBatchSize(Callback):
     def state_dict(self) -> dict[str, Any]:
         sizes = self.sampler.sizes if self.sampler is not None else (self._restored or {}).get("sizes")
         global_batch = self.sampler.global_batch if self.sampler is not None else None
-        return {"sizes": sizes, "global_batch": global_batch, "decisions": self.decisions[-100:]}
+        return {
+            "sizes": sizes,
+            "global_batch": global_batch,
+            "decisions": self.decisions[-100:],
+            "noise": self.noise.state_dict(),
+            "gain": self._probe.gain if self._probe is not None else 1.0,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict)
         self.decisions = list(state_dict.get("decisions", []))
+        if state_dict.get("noise"):
+            self.noise.load_state_dict(state_dict["noise"])

@@ -131,3 +131,32 @@ def test_sampler_refuses_bad_schedules():
         VariableBatchSampler(100, 2, [4, 4])
     with pytest.raises(ValueError, match="drop_last"):
         VariableBatchSampler(6, 0, [4, 4], drop_last=True)
+
+
+def test_noise_scale_estimates_recover_the_true_gradient_and_noise():
+    import torch
+
+    from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
+
+    # Per-sample gradients G + N(0, sigma^2 I) in d dimensions: |G|^2 = 4, S = d sigma^2 = 64 -> noise scale 16.
+    g = torch.Generator().manual_seed(0)
+    d, sigma = 64, 1.0
+    true = torch.zeros(d)
+    true[:4] = 1.0
+    gns = GradientNoiseScale(smoothing=0.99)
+    sizes = [3, 5, 8, 16]
+    for _ in range(3000):
+        samples = true + sigma * torch.randn(32, d, generator=g)
+        parts = samples.split(sizes)
+        big = samples.mean(0).pow(2).sum().item()
+        pairs = [GradientNoiseScale.pair_estimate(p.mean(0).pow(2).sum().item(), len(p), big, 32) for p in parts]
+        gns.update(sum(p[0] for p in pairs) / 4, sum(p[1] for p in pairs) / 4)
+    assert gns.grad_sq == pytest.approx(4.0, rel=0.25)
+    assert gns.trace == pytest.approx(64.0, rel=0.15)
+    assert gns.noise_scale == pytest.approx(16.0, rel=0.3)
+    # AdaScale: no gain at the base batch, at most linear, and r = (S/B0 + |G|^2) / (S/B + |G|^2).
+    assert gns.gain(32, 32) == 1.0
+    r = gns.gain(16, 64)
+    assert 1.0 < r < 4.0
+    assert r == pytest.approx((gns.trace / 16 + gns.grad_sq) / (gns.trace / 64 + gns.grad_sq))
+    assert GradientNoiseScale.pair_estimate(1.0, 32, 1.0, 32) is None  # one rank with the whole batch

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import IterableDataModel, TinyLoggingModel, TinyModel  # noqa: E402 (tests/ is on sys.path)
+from _models import IterableDataModel, LinearLossModel, TinyLoggingModel, TinyModel  # noqa: E402 (tests/ is on sys.path)
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -166,4 +166,52 @@ def test_report_measures_the_reaction_to_a_scheduled_slowdown():
     assert [(x["direction"], x["change_step"], x["lag"]) for x in lags] == [("slower", 40, 10), ("recovered", 80, 10)]
     run["events"] = run["events"][:2]
     assert rebalance_lags("mid_run_straggler", run)[1]["lag"] is None  # never rebalanced back: reported as such
-    assert rebalance_lags("straggler", run) == []  # no schedule, nothing to react to
+    assert rebalance_lags("jitter", run) == []  # no scheduled slowdown, nothing to react to
+    # The persistent straggler is slow from step 0 on: the first decision that shrinks its batch is the reaction.
+    assert [(x["change_step"], x["lag"]) for x in rebalance_lags("straggler", run)] == [(0, 10)]
+
+
+@pytest.mark.timeout(240)
+def test_grow_batch_follows_the_noise_scale_and_applies_the_adascale_gain(tmp_path):
+    summary_file = tmp_path / "summary.json"
+    trainer = _trainer(
+        tmp_path,
+        strategy="ddp_spawn",
+        devices=2,
+        max_steps=40,
+        callbacks=[
+            SyncMonitor(summary_file=str(summary_file), print_summary=False),
+            AdaptiveBatchSize(interval=4, grow_batch=True, max_global_batch=128, hysteresis=0.5),
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+        ],
+        enable_checkpointing=True,
+    )
+    trainer.fit(LinearLossModel())
+    events = json.loads(summary_file.read_text())["events"]
+    grown = [e for e in events if e["kind"] == "grow_batch"]
+    assert grown, events
+    first = grown[0]
+    # Toward the measured noise scale, at most doubling per decision, never beyond max_global_batch.
+    # Toward the noise scale (about 512 here), at most doubling per decision, capped at max_global_batch.
+    assert sum(first["previous"]) == 32 and first["global_batch"] == 64 < first["noise_scale"], grown
+    batches = [32] + [e["global_batch"] for e in grown]
+    assert all(a < b <= min(2 * a, 128) for a, b in zip(batches, batches[1:])) and batches[-1] > 64, batches
+    # AdaScale's gain for the grown batch: r = (n / 32 + 1) / (n / B + 1) with n the noise scale, in (1, B / 32].
+    for e in grown:
+        n, big = e["noise_scale"], e["global_batch"]
+        assert e["adascale_gain"] == pytest.approx((n / 32 + 1) / (n / big + 1)), e
+        assert 1.0 < e["adascale_gain"] <= big / 32, e
+    # The gain is applied inside optimizer.step only: checkpoints (and LR schedulers) see the base learning rate.
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert state["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
+    saved = next(v for k, v in state["callbacks"].items() if k.startswith("AdaptiveBatchSize"))
+    # The gain follows the noise-scale estimate at every decision, growth or not; the grown batch is kept.
+    assert saved["global_batch"] == batches[-1] and 1.0 < saved["gain"] <= batches[-1] / 32
+
+
+def test_grow_batch_refuses_gradient_accumulation(tmp_path):
+    trainer = _trainer(
+        tmp_path, devices=1, max_steps=1, accumulate_grad_batches=2, callbacks=[AdaptiveBatchSize(grow_batch=True)]
+    )
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2"):
+        trainer.fit(TinyModel())
