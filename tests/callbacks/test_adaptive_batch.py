@@ -195,7 +195,8 @@ def test_grow_batch_follows_the_noise_scale_and_applies_the_adascale_gain(tmp_pa
     # Toward the noise scale (about 512 here), at most doubling per decision, capped at max_global_batch.
     assert sum(first["previous"]) == 32 and first["global_batch"] == 64 < first["noise_scale"], grown
     batches = [32] + [e["global_batch"] for e in grown]
-    assert all(a < b <= min(2 * a, 128) for a, b in zip(batches, batches[1:])) and batches[-1] > 64, batches
+    assert all(a < b <= min(2 * a, 128) for a, b in zip(batches, batches[1:], strict=False)), batches
+    assert batches[-1] > 64, batches
     # AdaScale's gain for the grown batch: r = (n / 32 + 1) / (n / B + 1) with n the noise scale, in (1, B / 32].
     for e in grown:
         n, big = e["noise_scale"], e["global_batch"]
