@@ -36,6 +36,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         shuffle: draw a new permutation each epoch (seeded by ``seed + epoch``) instead of the dataset order.
         seed: permutation seed; must be the same on every rank.
         drop_last: drop the last, smaller global batch of an epoch instead of splitting it.
+        stream: for a global batch that may grow (``set_sizes(..., resize=True)``): every epoch has the number of
+            steps announced at construction (Lightning fixes an epoch's length, and schedules validation on it,
+            when the loader is set up), and indices come from a stream of passes over the data, each a fresh
+            permutation; every sample is seen once per *pass*, and with a grown batch an epoch spans more than one.
 
     Example::
 
@@ -51,6 +55,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        stream: bool = False,
     ) -> None:
         sizes = [int(s) for s in sizes]
         if not sizes or min(sizes) < 1:
@@ -71,6 +76,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.stream = stream
+        self._steps_per_epoch = self._steps(sum(sizes))
+        self._pass = 0  # stream mode: passes over the data started so far, and the position in the current one
+        self._order: list[int] = []
+        self._pos = 0
         self.epoch = 0
         self.produced = 0  # batches handed out since creation, across epochs: the clock of the schedule
         self._schedule: list[tuple[int, list[int]]] = [(0, sizes)]
@@ -121,21 +131,28 @@ class VariableBatchSampler(Sampler[list[int]]):
         """Called by Lightning at each epoch start: a new permutation (same on every rank)."""
         self.epoch = epoch
 
-    def __len__(self) -> int:
-        # Exact while the global batch stays fixed (a grown batch makes later epochs shorter than announced).
+    def _steps(self, global_batch: int) -> int:
         if self.drop_last:
-            return self.dataset_len // self.global_batch
-        return math.ceil(self.dataset_len / self.global_batch)
+            return self.dataset_len // global_batch
+        return math.ceil(self.dataset_len / global_batch)
+
+    def __len__(self) -> int:
+        return self._steps_per_epoch if self.stream else self._steps(self.global_batch)
+
+    def _permutation(self, key: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.dataset_len))
+        g = torch.Generator()
+        g.manual_seed(self.seed + key)
+        return torch.randperm(self.dataset_len, generator=g).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_len))
         # A new pass: batches prefetched by an abandoned iterator will never reach training.
         self.issued.clear()
+        if self.stream:
+            yield from self._iter_stream()
+            return
+        order = self._permutation(self.epoch)
         pos = 0
         while pos < self.dataset_len:
             sizes = self.sizes_at(self.produced)
@@ -155,6 +172,22 @@ class VariableBatchSampler(Sampler[list[int]]):
             self.produced += 1
             self.issued.append((len(mine), sum(sizes)))
             yield mine
+
+    def _iter_stream(self) -> Iterator[list[int]]:
+        for _ in range(self._steps_per_epoch):
+            sizes = self.sizes_at(self.produced)
+            chunk: list[int] = []
+            while len(chunk) < sum(sizes):
+                if self._pos >= len(self._order):
+                    self._order, self._pos = self._permutation(self._pass), 0
+                    self._pass += 1
+                take = self._order[self._pos : self._pos + sum(sizes) - len(chunk)]
+                self._pos += len(take)
+                chunk += take
+            start = sum(sizes[: self.rank])
+            self.produced += 1
+            self.issued.append((sizes[self.rank], sum(sizes)))
+            yield chunk[start : start + sizes[self.rank]]
 
 
 def _shrink(sizes: list[int], total: int) -> list[int]:

@@ -77,7 +77,8 @@ class AdaptiveBatchSize(Callback):
         grow_batch: (off by default) grow the global batch during training toward the measured gradient noise scale
             (McCandlish et al. 2018), at most doubling per decision, and multiply the learning rate by AdaScale's
             gain for the grown batch. Needs a flat all-reduce (``ddp``), no gradient accumulation, no fp16 loss
-            scaling. Epochs get fewer, larger steps; LR schedules are not stretched.
+            scaling. Epochs keep their number of steps, so a grown batch makes an epoch span more than one pass
+            over the data (each sample is seen once per pass); LR schedules are not stretched.
         max_global_batch: upper bound of the grown global batch (default 8x the initial one, at most the dataset).
 
     Example::
@@ -158,6 +159,7 @@ class AdaptiveBatchSize(Callback):
         self._samples = 0.0
         self._compute_s = 0.0
         self._throughput: list[float] | None = None
+        self._groups: list[list[int]] | None = None
 
     @property
     def current_sizes(self) -> list[int] | None:
@@ -237,7 +239,13 @@ class AdaptiveBatchSize(Callback):
         )
         sizes = self._initial_sizes(self.balancer)
         self.sampler = VariableBatchSampler(
-            len(dataset), trainer.global_rank, sizes, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
+            len(dataset),
+            trainer.global_rank,
+            sizes,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            stream=self.grow_batch,  # a growing batch must not shorten the epochs Lightning has scheduled
         )
         if type(loader) is not DataLoader:
             rank_zero_warn(
@@ -435,21 +443,20 @@ class AdaptiveBatchSize(Callback):
             self.balancer = self._balancer_for(sum(decision))
         # Past every rank's prefetched batches, so all ranks switch at the same global step.
         start = self.sampler.set_sizes(decision, from_step=int(max(r[2] for r in rows)), resize=grown)
-        if grown and probe is not None:
-            probe.gain = self._gain()
         event = {
             "batch": self._batches,
             "from_sampler_step": start,
             "sizes": decision,
             "previous": current,
             "throughput": [round(t, 2) for t in throughput],
+            # Samples per second of the new split over the current one (a grown batch also moves more per step).
             "predicted_speedup": BatchBalancer.step_time(current, throughput)
             / BatchBalancer.step_time(decision, throughput)
-            * sum(current)
-            / sum(decision),
+            * sum(decision)
+            / sum(current),
         }
         if grown:
-            event.update(global_batch=sum(decision), noise_scale=self.noise.noise_scale, adascale_gain=self._gain())
+            event.update(global_batch=sum(decision), noise_scale=self.noise.noise_scale, adascale_gain=gain)
         kind = "grow_batch" if grown else "rebalance"
         self.decisions.append({"kind": kind, "step": trainer.global_step, **event})
         if self._monitor is not None:
@@ -463,11 +470,9 @@ class AdaptiveBatchSize(Callback):
         current = self.balancer.global_batch
         if noise is None or self.noise.updates < 3:
             return None  # too few windows for a trustworthy estimate
-        world = self.balancer.world_size
-        groups = len(self.balancer.groups)
         cap = min(self._max_batch_total, sum(self.balancer.max_batch))
         target = min(int(noise), 2 * current, cap)
-        target -= target % (world * groups)  # keeps the split as even as it can be
+        target -= target % self.balancer.world_size  # keeps the split as even as it can be
         return target if target >= 1.25 * current else None
 
     def _balancer_for(self, global_batch: int) -> BatchBalancer:
@@ -476,7 +481,7 @@ class AdaptiveBatchSize(Callback):
             self.balancer.world_size if self.balancer else 1,
             self.min_batch,
             self.max_batch,
-            groups=getattr(self, "_groups", None),
+            groups=self._groups,
             hysteresis=self.hysteresis,
         )
 

@@ -160,3 +160,26 @@ def test_noise_scale_estimates_recover_the_true_gradient_and_noise():
     assert 1.0 < r < 4.0
     assert r == pytest.approx((gns.trace / 16 + gns.grad_sq) / (gns.trace / 64 + gns.grad_sq))
     assert GradientNoiseScale.pair_estimate(1.0, 32, 1.0, 32) is None  # one rank with the whole batch
+
+
+def test_stream_mode_keeps_the_epoch_length_when_the_batch_grows():
+    n = 100
+    samplers = [VariableBatchSampler(n, r, [8, 8], seed=1, stream=True) for r in range(2)]
+    assert len(samplers[0]) == 7  # ceil(100 / 16), announced once and kept
+    seen = []
+    for epoch in range(3):
+        iters = [iter(s) for s in samplers]
+        for k in range(len(samplers[0])):
+            if epoch == 0 and k == 2:
+                for s in samplers:
+                    s.set_sizes([20, 12], from_step=s.produced, resize=True)
+            parts = [next(it) for it in iters]
+            seen += parts[0] + parts[1]
+        for it in iters:
+            with pytest.raises(StopIteration):
+                next(it)
+    assert len(samplers[0]) == 7 and samplers[0].global_batch == 32
+    assert len(seen) == 2 * 16 + 19 * 32
+    # A stream of passes: every consecutive block of 100 indices is a permutation of the dataset.
+    for start in range(0, len(seen) - n + 1, n):
+        assert sorted(seen[start : start + n]) == list(range(n))
