@@ -205,9 +205,14 @@ def rebalance_lags(scenario: str, run: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _rebalancing_run(s: dict[str, Any]) -> dict[str, Any] | None:
+    """The first run of a contender in which AdaptiveBatchSize rebalanced, if any."""
+    return next((r for r in s["runs"] if any(e.get("kind") == "rebalance" for e in r.get("events", []))), None)
+
+
 def _rebalances(scenario: str, strategy: str, s: dict[str, Any]) -> list[str]:
     """AdaptiveBatchSize's decisions in this scenario: how often, the final split, and reaction times."""
-    run = next((r for r in s["runs"] if any(e.get("kind") == "rebalance" for e in r.get("events", []))), None)
+    run = _rebalancing_run(s)
     if run is None:
         return []
     events = [e for e in run["events"] if e.get("kind") == "rebalance"]
@@ -271,10 +276,7 @@ def write_plots(out_dir: Path, records: list[dict[str, Any]]) -> list[Path]:
     ax.set_ylabel("throughput, % of the measured limit")
     ax.set_title("Throughput by strategy and scenario")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    throughput = out_dir / "throughput.png"
-    fig.savefig(throughput, dpi=110)
-    plt.close(fig)
+    throughput = _save(fig, plt, out_dir / "throughput.png")
 
     fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
     for ax, sc in zip(axes[0], scenarios, strict=True):
@@ -291,10 +293,7 @@ def write_plots(out_dir: Path, records: list[dict[str, Any]]) -> list[Path]:
         ax.set_xlabel("wall-clock seconds since fit start")
         ax.set_ylabel(first.get("val_metric_name") or "metric")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    accuracy = out_dir / "accuracy_vs_time.png"
-    fig.savefig(accuracy, dpi=110)
-    plt.close(fig)
+    accuracy = _save(fig, plt, out_dir / "accuracy_vs_time.png")
     paths = [throughput, accuracy]
     split = _plot_batch_split(out_dir, table, plt)
     return paths + ([split] if split else [])
@@ -305,7 +304,7 @@ def _plot_batch_split(out_dir: Path, table: dict[str, Any], plt: Any) -> Path | 
     panels = []
     for sc, by_strategy in table.items():
         for strategy, s in by_strategy.items():
-            run = next((r for r in s["runs"] if any(e.get("kind") == "rebalance" for e in r.get("events", []))), None)
+            run = _rebalancing_run(s)
             if run is not None:
                 panels.append((sc, strategy, run))
     if not panels:
@@ -324,8 +323,11 @@ def _plot_batch_split(out_dir: Path, table: dict[str, Any], plt: Any) -> Path | 
         ax.set_xlabel("step")
         ax.set_ylabel("batch size")
         ax.legend(fontsize=8)
+    return _save(fig, plt, out_dir / "batch_split.png")
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
     fig.tight_layout()
-    path = out_dir / "batch_split.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
