@@ -30,6 +30,7 @@ continues with it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -431,12 +432,9 @@ class AdaptiveBatchSize(Callback):
             if decision is None:
                 decision = self.balancer.decide(current, throughput)
         # One decision for everyone: floating-point differences between ranks can never split the job.
-        decision, grown, gain, noise = trainer.strategy.broadcast(
-            (decision, grown, self._gain(), self.noise.state_dict()), src=0
-        )
+        decision, grown, gain = self._broadcast_decision(trainer, pl_module, decision, grown)
         if probe is not None:
             probe.gain = gain
-            self.noise.load_state_dict(noise)
         if decision is None:
             return
         if grown and not trainer.is_global_zero:
@@ -462,6 +460,36 @@ class AdaptiveBatchSize(Callback):
         if self._monitor is not None:
             self._monitor.record_event(kind, trainer.global_step, **event)
         log.info("rank %d: rebalanced %s -> %s (throughput %s)", trainer.global_rank, current, decision, throughput)
+
+    def _broadcast_decision(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: list[int] | None, grown: bool
+    ) -> tuple[list[int] | None, bool, float]:
+        """Rank 0's decision, gain and noise-scale state on every rank, as one tensor (no pickled objects).
+
+        Layout: ``[has_decision, grown, gain, |G|^2, S, updates, b_0 .. b_{N-1}]`` in float64 (exact for these
+        integers); a missing noise estimate travels as NaN.
+        """
+        world = trainer.world_size
+        buf = torch.zeros(6 + world, dtype=torch.float64, device=pl_module.device)
+        if trainer.is_global_zero:
+            noise = self.noise
+            nan = float("nan")
+            head = [float(decision is not None), float(grown), self._gain(),
+                    nan if noise.grad_sq is None else noise.grad_sq, nan if noise.trace is None else noise.trace,
+                    float(noise.updates)]  # fmt: skip
+            buf.copy_(torch.tensor(head + [float(b) for b in (decision or [0] * world)], dtype=torch.float64))
+        torch.distributed.broadcast(buf, src=0)
+        values = buf.cpu().tolist()
+        grad_sq, trace = values[3], values[4]
+        self.noise.load_state_dict(
+            {
+                "grad_sq": None if math.isnan(grad_sq) else grad_sq,
+                "trace": None if math.isnan(trace) else trace,
+                "updates": int(values[5]),
+            }
+        )
+        sizes = [int(v) for v in values[6:]] if values[0] else None
+        return sizes, bool(values[1]), values[2]
 
     def _grown_batch(self) -> int | None:
         """The global batch to grow to (rank 0), or ``None``: toward the noise scale, at most 2x, by >= 25%."""
