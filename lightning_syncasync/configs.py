@@ -162,6 +162,7 @@ def _schemas() -> dict[str, type]:
         TransformerLM,
     )
     from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+    from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
     from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
     from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
@@ -192,6 +193,10 @@ def _schemas() -> dict[str, type]:
         "strategy/async_ssp": builds(
             AsyncSSPStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None)},  # noqa: UP045
+        ),
+        "strategy/deepspeed_cpu": builds(
+            DeepSpeedCPUStrategy,
+            extra={"process_group_backend": (Optional[str], None), "logging_batch_size_per_gpu": (int, 1)},  # noqa: UP045
         ),
         "callbacks/sync_monitor": builds(SyncMonitor),
         "callbacks/straggler_emulator": builds(StragglerEmulator),

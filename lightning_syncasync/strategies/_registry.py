@@ -49,6 +49,11 @@ STRATEGIES: list[StrategyEntry] = [
         "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
         "asynchronous training with Stale Synchronous Parallel bounded staleness",
     ),
+    *_with_spawn(
+        "deepspeed_cpu",
+        "lightning_syncasync.strategies.deepspeed_cpu.DeepSpeedCPUStrategy",
+        "Lightning's DeepSpeed strategy (ZeRO 0-3), also on CPU processes with gloo",
+    ),
 ]
 
 

@@ -1,0 +1,92 @@
+"""DeepSpeedCPUStrategy: ZeRO on CPU processes (gloo), presets, checkpoint resume, and the rejected settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import TinyModel  # noqa: E402 (tests/ is on sys.path through its conftest)
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is part of the dev install (pip install -e '.[dev]')")
+
+from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy  # noqa: E402
+
+
+def _trainer(tmp_path, strategy, precision, max_steps, callbacks=()):
+    return Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision=precision,
+        max_steps=max_steps,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_zero2_bf16_trains_on_two_cpu_processes_and_resumes_from_its_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = TinyModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, DeepSpeedCPUStrategy(stage=2, start_method="spawn"), "bf16-mixed", 4, [ckpt])
+    trainer.fit(model)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "nothing trained"
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_dir(), "DeepSpeed checkpoints are directories of sharded states"
+    assert _saved(last)["global_step"] == 4
+    # Resume: the run continues from step 4 (optimizer state, ZeRO shards and loop progress restored) to step 6.
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    resumed = _trainer(tmp_path, DeepSpeedCPUStrategy(stage=2, start_method="spawn"), "bf16-mixed", 6, [again])
+    resumed.fit(TinyModel(), ckpt_path=str(last))
+    # Only steps 5 and 6 ran: a restart from scratch would have saved steps 1-6.
+    assert sorted(p.name for p in (tmp_path / "ckpt2").iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
+    state = _saved(tmp_path / "ckpt2" / "step=6.ckpt")
+    assert state["global_step"] == 6 and state["global_steps"] == 6  # Lightning's and DeepSpeed's step counters
+
+
+def _saved(checkpoint_dir):
+    """The non-sharded part of a DeepSpeed checkpoint directory (Lightning's loop state lives there)."""
+    return torch.load(checkpoint_dir / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False)
+
+
+@pytest.mark.timeout(300)
+def test_zero3_with_offload_trains_on_two_cpu_processes(tmp_path):
+    strategy = DeepSpeedCPUStrategy(stage=3, offload_optimizer=True, offload_parameters=True, start_method="spawn")
+    trainer = _trainer(tmp_path, strategy, "bf16-mixed", 3)
+    trainer.fit(TinyModel())
+    assert trainer.state.finished
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 4}, "ZeRO stage 0, 1, 2 or 3"),
+        ({"stage": 2, "offload_parameters": True}, "offload_parameters needs ZeRO stage 3"),
+        ({"staleness": 2}, r"staleness \(async_ssp\)"),
+        ({"inter_period": 2}, r"inter_period \(hier_sync\)"),
+        ({"config": {"optimizer": {"type": "OneBitAdam"}}}, "removed from DeepSpeed.*OneBitAdam"),
+        ({"config": {"compression_training": {}}}, "compression_training was removed.*compression="),
+        ({"config": {"zero_optimization": {"stage": 7}}}, "zero_optimization.stage"),
+        ({"start_method": "thread"}, "start_method"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeepSpeedCPUStrategy(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs fp16 is supported")
+def test_fp16_on_cpu_is_refused_when_the_trainer_is_built(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this CPU's DeepSpeed accelerator supports fp16")
+    with pytest.raises(ValueError, match="fp16.*not supported.*bf16-mixed"):
+        _trainer(tmp_path, DeepSpeedCPUStrategy(start_method="spawn"), "16-mixed", 1)
