@@ -47,7 +47,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
         for s in by_strategy.values():
             runs = s["runs"]
             for key in ("samples_per_s", "ideal_samples_per_s", "efficiency", "time_to_target_s", "final_val_metric",
-                        "inter_node_bytes_per_step", "wait_frac"):  # fmt: skip
+                        "inter_node_bytes_per_step", "wait_frac", "peak_rss_mb", "cuda_peak_mb",
+                        "optimizer_state_mb"):  # fmt: skip
                 s[key] = median_or_none([r.get(key) for r in runs])
                 s[key + "_all"] = [r.get(key) for r in runs]
             s["reached"] = sum(r.get("time_to_target_s") is not None for r in runs)
@@ -109,13 +110,32 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
                 f"| {_fmt(None if s['wait_frac'] is None else 100 * s['wait_frac'])} "
                 f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
             )
-        lines += [""] + _answers(name, by_strategy, table) + [""]
+        lines += [""] + _memory_table(by_strategy) + _answers(name, by_strategy, table) + [""]
     lines += ["![throughput](throughput.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
     if any(e.get("kind") == "rebalance" for r in records for e in r.get("events", [])):
         lines += ["![per-rank batch sizes](batch_split.png)", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _memory_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
+    """Memory per rank (largest rank), with the optimizer state relative to DDP's when DDP ran."""
+    rows = [(k, s) for k, s in by_strategy.items() if s.get("optimizer_state_mb") is not None]
+    if not rows:
+        return []
+    ddp = by_strategy.get("ddp", {}).get("optimizer_state_mb")
+    lines = [
+        "| strategy | peak RSS MB/rank | peak CUDA MB/rank | optimizer state MB/rank | optimizer state vs ddp |",
+        "|---|---|---|---|---|",
+    ]
+    for k, s in rows:
+        ratio = f"{ddp / s['optimizer_state_mb']:.2f}x less" if ddp and s["optimizer_state_mb"] else "n/a"
+        lines.append(
+            f"| {k} | {_fmt(s['peak_rss_mb'], '.0f')} | {_fmt(s['cuda_peak_mb'], '.0f')} "
+            f"| {_fmt(s['optimizer_state_mb'], '.2f')} | {ratio} |"
+        )
+    return lines + [""]
 
 
 def _answers(name: str, by_strategy: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:

@@ -242,6 +242,10 @@ class BenchRunner:
             config=results["config"],
             # Policies' decisions (AdaptiveBatchSize rebalances), each with the step it was taken at.
             events=summary.get("events", []),
+            # Memory per rank (the largest over ranks): peak RSS, peak CUDA allocation, optimizer state held.
+            peak_rss_mb=summary.get("peak_rss_mb"),
+            cuda_peak_mb=summary.get("cuda_peak_mb"),
+            optimizer_state_mb=summary.get("optimizer_state_mb"),
         )
         for h in record["val_history"]:
             if h["value"] is not None and scenario.reached(h["value"], self.quick):

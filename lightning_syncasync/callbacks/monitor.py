@@ -40,6 +40,11 @@ _FIELDS = (
     "bytes_inter",
     "staleness_mean",
     "staleness_max",
+    # Memory at the end of fit (not aggregated over steps): peak resident set size, peak CUDA allocation, and the
+    # bytes of optimizer state this rank holds (what ZeRO shards).
+    "peak_rss_mb",
+    "cuda_peak_mb",
+    "optimizer_state_mb",
 )
 
 
@@ -255,7 +260,10 @@ class SyncMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._recorder is None:
             return
-        local = torch.tensor([float(self._agg[k].compute()) for k in _FIELDS], dtype=torch.float64)
+        memory = _memory(trainer)
+        local = torch.tensor(
+            [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS], dtype=torch.float64
+        )
         with warnings.catch_warnings():
             # Lightning's all_gather goes through a torch function that warns about its own deprecation.
             warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
@@ -324,6 +332,39 @@ class SyncMonitor(Callback):
         self._restore_pbar = restore
 
 
+def _memory(trainer: pl.Trainer) -> dict[str, float]:
+    import resource
+
+    mib = 1024.0 * 1024.0
+    # ru_maxrss is in KiB on Linux.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    cuda = torch.cuda.max_memory_allocated() / mib if torch.cuda.is_available() and torch.cuda.is_initialized() else 0.0
+    state = sum(_optimizer_state_bytes(opt) for opt in trainer.optimizers) / mib
+    return {"peak_rss_mb": rss, "cuda_peak_mb": cuda, "optimizer_state_mb": state}
+
+
+def _optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors in an optimizer's per-parameter state (Adam's moments...), unwrapping wrappers.
+
+    Wrappers (Lightning's, DeepSpeed's ZeRO optimizers) hold the torch optimizer that owns the state as
+    ``.optimizer``; under ZeRO its parameters are this rank's flat partitions, so the figure is what the rank holds.
+    """
+    seen: set[int] = set()
+    while hasattr(optimizer, "optimizer") and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, dict):
+        return 0
+    return sum(
+        v.numel() * v.element_size()
+        for per_param in state.values()
+        if isinstance(per_param, dict)
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
 def _new_epoch() -> dict[str, float]:
     return {"steps": 0, "samples": 0, "wall_s": 0.0, "bytes": 0}
 
@@ -345,6 +386,9 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
                 "bytes_inter_per_step": r["bytes_inter"] / steps,
                 "staleness_mean": 0.0 if math.isnan(r["staleness_mean"]) else r["staleness_mean"],
                 "staleness_max": 0.0 if math.isinf(r["staleness_max"]) else r["staleness_max"],
+                "peak_rss_mb": r["peak_rss_mb"],
+                "cuda_peak_mb": r["cuda_peak_mb"],
+                "optimizer_state_mb": r["optimizer_state_mb"],
             }
         )
     n = len(ranks)
@@ -367,6 +411,9 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
         "bytes_per_step": mean("bytes_intra_per_step") + mean("bytes_inter_per_step"),
         "staleness_mean": mean("staleness_mean"),
         "staleness_max": max(r["staleness_max"] for r in ranks),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+        "cuda_peak_mb": max(r["cuda_peak_mb"] for r in ranks),
+        "optimizer_state_mb": max(r["optimizer_state_mb"] for r in ranks),
         "ranks": ranks,
     }
 
