@@ -130,7 +130,10 @@ def _memory_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for k, s in rows:
-        ratio = f"{ddp / s['optimizer_state_mb']:.2f}x less" if ddp and s["optimizer_state_mb"] else "n/a"
+        if k == "ddp":
+            ratio = "reference"
+        else:
+            ratio = f"{ddp / s['optimizer_state_mb']:.2f}x smaller" if ddp and s["optimizer_state_mb"] else "n/a"
         lines.append(
             f"| {k} | {_fmt(s['peak_rss_mb'], '.0f')} | {_fmt(s['cuda_peak_mb'], '.0f')} "
             f"| {_fmt(s['optimizer_state_mb'], '.2f')} | {ratio} |"

@@ -96,3 +96,24 @@ def test_single_process_reports_no_communication_and_shows_mode_in_progress_bar(
 def test_bad_smoothing_is_rejected():
     with pytest.raises(ValueError, match="smoothing"):
         SyncMonitor(smoothing=1.0)
+
+
+def test_optimizer_state_bytes_counts_the_moments_and_unwraps_wrappers():
+    import torch
+
+    from lightning_syncasync.callbacks.monitor import _optimizer_state_bytes
+
+    params = [torch.nn.Parameter(torch.zeros(10, 10)), torch.nn.Parameter(torch.zeros(5))]
+    opt = torch.optim.Adam(params)
+    assert _optimizer_state_bytes(opt) == 0  # no state before the first step
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    # exp_avg and exp_avg_sq, fp32, for 105 values; the scalar step counters are left out.
+    assert _optimizer_state_bytes(opt) == 2 * 105 * 4
+
+    class Wrapper:  # what Lightning's and DeepSpeed's optimizer wrappers look like from outside
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    assert _optimizer_state_bytes(Wrapper(Wrapper(opt))) == 2 * 105 * 4
