@@ -328,3 +328,16 @@ def test_everything_pickles_for_spawn() -> None:
         assert clone.hparams == model.hparams
     warmup = pickle.loads(pickle.dumps(LinearWarmup(4)))
     assert [warmup(step) for step in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_lm_activation_checkpointing_gives_the_same_outputs_and_gradients() -> None:
+    torch.manual_seed(0)
+    plain = TransformerLM(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+    ckpt = TransformerLM(d_model=32, n_layers=2, n_heads=2, seq_len=16, activation_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 256, (3, 16))
+    for m in (plain, ckpt):
+        m(x).square().mean().backward()
+    torch.testing.assert_close(ckpt(x), plain(x))
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
