@@ -333,11 +333,14 @@ class SyncMonitor(Callback):
 
 
 def _memory(trainer: pl.Trainer) -> dict[str, float]:
-    import resource
-
     mib = 1024.0 * 1024.0
-    # ru_maxrss is in KiB on Linux.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    try:
+        import resource  # POSIX only
+
+        # ru_maxrss is in KiB on Linux.
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    except ImportError:
+        rss = 0.0
     cuda = torch.cuda.max_memory_allocated() / mib if torch.cuda.is_available() and torch.cuda.is_initialized() else 0.0
     state = sum(_optimizer_state_bytes(opt) for opt in trainer.optimizers) / mib
     return {"peak_rss_mb": rss, "cuda_peak_mb": cuda, "optimizer_state_mb": state}
