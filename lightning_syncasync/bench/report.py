@@ -112,7 +112,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             )
         lines += [""] + _memory_table(by_strategy) + _answers(name, by_strategy, table) + [""]
     lines += ["![throughput](throughput.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
-    if any(e.get("kind") == "rebalance" for r in records for e in r.get("events", [])):
+    if any(_rebalance_events(r) for r in records):
         lines += ["![per-rank batch sizes](batch_split.png)", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
@@ -199,7 +199,7 @@ def rebalance_lags(scenario: str, run: dict[str, Any]) -> list[dict[str, Any]]:
     if sc is None or not sc.schedule:
         return []
     steps = run.get("steps") or 0
-    events = [e for e in run.get("events", []) if e.get("kind") == "rebalance"]
+    events = _rebalance_events(run)
     out = []
     for w in parse_schedule(sc.schedule):
         for frac, direction in ((w.start, "slower"), (w.end, "recovered")):
@@ -230,7 +230,12 @@ def rebalance_lags(scenario: str, run: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _rebalancing_run(s: dict[str, Any]) -> dict[str, Any] | None:
     """The first run of a contender in which AdaptiveBatchSize rebalanced, if any."""
-    return next((r for r in s["runs"] if any(e.get("kind") == "rebalance" for e in r.get("events", []))), None)
+    return next((r for r in s["runs"] if _rebalance_events(r)), None)
+
+
+def _rebalance_events(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """AdaptiveBatchSize's rebalancing decisions recorded in a run (its ``grow_batch`` events left out)."""
+    return [e for e in run.get("events", []) if e.get("kind") == "rebalance"]
 
 
 def _rebalances(scenario: str, strategy: str, s: dict[str, Any]) -> list[str]:
@@ -238,7 +243,7 @@ def _rebalances(scenario: str, strategy: str, s: dict[str, Any]) -> list[str]:
     run = _rebalancing_run(s)
     if run is None:
         return []
-    events = [e for e in run["events"] if e.get("kind") == "rebalance"]
+    events = _rebalance_events(run)
     out = [
         f"- {strategy} rebalanced {len(events)} times (first at step {events[0]['step']}: {events[0]['previous']} "
         f"-> {events[0]['sizes']}); final split {events[-1]['sizes']}."
@@ -334,7 +339,7 @@ def _plot_batch_split(out_dir: Path, table: dict[str, Any], plt: Any) -> Path | 
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (sc, strategy, run) in zip(axes[0], panels, strict=True):
-        events = [e for e in run["events"] if e.get("kind") == "rebalance"]
+        events = _rebalance_events(run)
         world = len(events[0]["sizes"])
         steps = [0] + [e["step"] for e in events] + [run.get("steps") or events[-1]["step"]]
         for rank in range(world):

@@ -160,7 +160,6 @@ class AdaptiveBatchSize(Callback):
         self._samples = 0.0
         self._compute_s = 0.0
         self._throughput: list[float] | None = None
-        self._groups: list[list[int]] | None = None
 
     @property
     def current_sizes(self) -> list[int] | None:
@@ -232,9 +231,7 @@ class AdaptiveBatchSize(Callback):
         restored_batch = (self._restored or {}).get("global_batch")
         if self.grow_batch and isinstance(restored_batch, int) and global_batch < restored_batch <= len(dataset):
             global_batch = restored_batch  # a resumed run keeps the batch it had grown to
-        topology = getattr(trainer.strategy, "topology", None)
-        groups = topology.all_nodes() if isinstance(topology, Topology) and topology.num_nodes > 1 else None
-        self._groups = groups
+        groups = _node_groups(trainer.strategy)
         self.balancer = BatchBalancer(
             global_batch, world, self.min_batch, self.max_batch, groups=groups, hysteresis=self.hysteresis
         )
@@ -323,9 +320,7 @@ class AdaptiveBatchSize(Callback):
         # The noise-scale estimator pairs this rank's gradient with the average over *all* ranks of the same step.
         from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 
-        topology = getattr(trainer.strategy, "topology", None)
-        hierarchical = isinstance(topology, Topology) and topology.num_nodes > 1
-        if isinstance(trainer.strategy, AsyncSSPStrategy) or hierarchical:
+        if isinstance(trainer.strategy, AsyncSSPStrategy) or _node_groups(trainer.strategy) is not None:
             raise ValueError(
                 f"grow_batch needs a flat gradient all-reduce every step (ddp); {type(trainer.strategy).__name__} "
                 "averages across nodes in the background. Set grow_batch=False or use strategy='ddp'"
@@ -504,14 +499,10 @@ class AdaptiveBatchSize(Callback):
         return target if target >= 1.25 * current else None
 
     def _balancer_for(self, global_batch: int) -> BatchBalancer:
-        return BatchBalancer(
-            global_batch,
-            self.balancer.world_size if self.balancer else 1,
-            self.min_batch,
-            self.max_batch,
-            groups=self._groups,
-            hysteresis=self.hysteresis,
-        )
+        """The current balancer's ranks, bounds and groups, for a new global batch."""
+        assert self.balancer is not None
+        old = self.balancer
+        return BatchBalancer(global_batch, old.world_size, self.min_batch, self.max_batch, old.groups, self.hysteresis)
 
     def _gain(self) -> float:
         if self.balancer is None or self.base_batch is None or not self.grow_batch:
@@ -545,3 +536,9 @@ class AdaptiveBatchSize(Callback):
         self.decisions = list(state_dict.get("decisions", []))
         if state_dict.get("noise"):
             self.noise.load_state_dict(state_dict["noise"])
+
+
+def _node_groups(strategy: object) -> list[list[int]] | None:
+    """The ranks of each node when the strategy averages across nodes on its own (``hier_sync``), else ``None``."""
+    topology = getattr(strategy, "topology", None)
+    return topology.all_nodes() if isinstance(topology, Topology) and topology.num_nodes > 1 else None
