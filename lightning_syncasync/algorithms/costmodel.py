@@ -1,0 +1,619 @@
+"""A cost model of data-parallel training: predicted throughput of each strategy on clusters we cannot run here.
+
+``ScalingModel`` turns a few measured numbers (each rank's compute time per sample, the gradient size, the latency
+``alpha`` and bandwidth ``beta`` of the intra-node and inter-node links, how often and how long ranks pause) into
+the step time, samples/s and efficiency of every strategy of this package, for 1 to a million nodes. It is what
+``syncasync-advise`` prints and plots, and it is calibrated against ``syncasync-bench`` runs inside
+``syncasync-emulate`` (2-4 emulated nodes) with :meth:`ScalingModel.calibrate`, which also reports its error there.
+
+Notation: ``n`` nodes of ``m`` ranks (``R = n m``), ``b`` samples per rank and step, ``c_r`` rank ``r``'s compute
+seconds per sample (``T_r = b c_r`` per step), ``B`` gradient bytes, a link ``(alpha, beta)``.
+
+Communication (alpha-beta model, Hockney 1994; ring algorithms as in Thakur, Rabenseifner & Gropp 2005)::
+
+    ring all-reduce over k ranks:  2 (k-1)/k * B / beta + 2 (k-1) alpha       (reduce-scatter + all-gather)
+    ring all-gather over k ranks:  (k-1) * B_payload / beta + (k-1) alpha     (int8/sign payloads cannot be summed)
+
+A flat all-reduce over nodes runs at the slowest link on the ring: the inter-node one when ``n > 1``. In a node-major
+ring one edge per node leaves the node, so the node's link carries what every ring edge carries.
+
+Strategies (``DDP`` = flat synchronous all-reduce every step)::
+
+    ddp:        step = E[max_r X_r] + comm - min(overlap * comm, mean_r E[X_r]) + k_coll * o
+                X_r = T_r (1 + f J_r), J_r ~ Bernoulli(p): a pause of f x compute with probability p per step;
+                for identical ranks E[max] = T (1 + f (1 - (1-p)^R)), the two-point order statistic
+    ddp_adaptive_batch: T_r -> G / sum_r(1/c_r) for every rank (shares proportional to speed, global batch G = R b
+                fixed): persistent stragglers cost nothing, jitter is not helped
+    hier_sync:  node step s_loc = E[max over the node's ranks] + intra all-reduce (exposed as in DDP), nodes paced by
+                the slowest node; every P = inter_period steps one inter-node round of
+                t_round = hierarchical all-reduce (reduce-scatter inside the node, all-reduce of the B/m shards across
+                nodes, all-gather inside; the node link carries m shards = B) runs in the background and may take
+                up to D = max_delay rounds:  step = max(s_loc, t_round / P, s_loc + (t_round - D P s_loc) / P)
+    async_ssp:  no per-step wait. With staleness s a rank waits only for ranks more than s clocks behind: the pace is
+                E[max_r of its mean step over a window of s+1 steps] (K_r ~ Binomial(s+1, p) pauses), which is the
+                two-point order statistic at s = 0 and each rank's mean as s grows (jitter absorbed); a persistent
+                straggler paces everyone once the slack is used. ASP (s = None): each rank at its own rate. The
+                update exchange (an all-reduce every step, in the background) caps the step at its duration.
+    compression: the all-reduced (powersgd, fp16) or all-gathered (int8, sign) payload is ``ratio x B``, plus an
+                encode/decode CPU cost per gradient byte (``codec_s_per_byte``; all-gather decodes R-1 payloads).
+    auto_sync:  the best of ddp / hier_sync / async_ssp at their default settings: an upper bound for a switcher
+                that settles in the right mode (switching costs are not modelled).
+
+Efficiency = samples/s over the no-communication limit: every rank at its own mean rate, ``sum_r b / E[X_r]``
+(what ``syncasync-bench`` measures as *ideal*: same ranks, same stragglers, no communication).
+
+Assumptions and limits: ring algorithms only (trees and NCCL's double binary trees have ``log k`` latency terms
+that matter at thousands of nodes, so the latency term here is pessimistic there); no congestion, no oversubscribed
+switches (a fat tree at full bisection); pauses are independent across ranks and steps; persistent slowdowns are
+constant in time (a mid-run straggler is approximated by its time average); hier_sync is assumed to absorb
+jitter across nodes within its delay window and not within a node; the background exchanges of hier_sync and
+async_ssp cost CPU time on the rank (``comm_cpu_s_per_byte``, large on the CPU-capped emulated ranks, near zero on
+GPUs with their own copy engines); learning per sample (the effect of staleness or compression on accuracy) is
+not modelled: this is throughput, not time to accuracy.
+
+Example::
+
+    model = ScalingModel(compute_s_per_sample=2e-3, batch_size=32, grad_bytes=100e6, procs_per_node=8,
+                         intra_link=(5e-6, 100e9), inter_link=(20e-6, 1.25e9))
+    model.predict("hier_sync", nodes=64, inter_period=4).samples_per_s
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Bytes on the wire relative to fp32, and the collective the payload travels by (README's compression table;
+# powersgd depends on the shapes: 2.6% on the transformer LM at rank 4).
+COMPRESSION: dict[str, tuple[float, str]] = {
+    "none": (1.0, "all_reduce"),
+    "fp16": (0.5, "all_reduce"),
+    "bf16": (0.5, "all_reduce"),
+    "int8": (0.254, "all_gather"),
+    "sign": (0.035, "all_gather"),
+    "powersgd": (0.03, "all_reduce"),
+}
+# Base strategies and the named variants the advisor and the benchmarks use.
+_BASE = ("ddp", "ddp_adaptive_batch", "hier_sync", "async_ssp", "auto_sync")
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp_int8": ("ddp", {"compression": "int8"}),
+    "ddp_powersgd": ("ddp", {"compression": "powersgd"}),
+    "ddp_fp16": ("ddp", {"compression": "fp16"}),
+    "hier_sync_int8": ("hier_sync", {"compression": "int8"}),
+    "async_asp": ("async_ssp", {"staleness": None}),
+}
+STRATEGIES: tuple[str, ...] = _BASE + tuple(_VARIANTS)
+_SETTINGS: dict[str, frozenset[str]] = {
+    "ddp": frozenset({"compression", "compression_ratio"}),
+    "ddp_adaptive_batch": frozenset({"compression", "compression_ratio"}),
+    "hier_sync": frozenset({"inter_period", "max_delay", "compression", "compression_ratio"}),
+    "async_ssp": frozenset({"staleness", "compression", "compression_ratio"}),
+    "auto_sync": frozenset({"inter_period", "max_delay", "staleness"}),
+}
+# DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): one collective per bucket.
+_BUCKET_BYTES = 25 * 2**20
+# Free parameters fitted by calibrate(), their defaults (no overhead, nothing hidden) and the grids searched.
+DEFAULT_PARAMS: dict[str, float] = {
+    "overlap": 0.0,
+    "collective_overhead_s": 0.0,
+    "comm_cpu_s_per_byte": 0.0,
+    "codec_s_per_byte": 0.0,
+    "unlimited_bytes_per_s": 1e9,
+}
+_GRIDS: dict[str, list[float]] = {
+    "overlap": [i / 10 for i in range(10)],
+    "collective_overhead_s": [0.0, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1],
+    "comm_cpu_s_per_byte": [0.0, 1e-10, 3e-10, 1e-9, 3e-9, 1e-8, 3e-8, 1e-7],
+    "codec_s_per_byte": [0.0, 1e-10, 3e-10, 1e-9, 3e-9, 1e-8, 3e-8, 1e-7],
+    "unlimited_bytes_per_s": [10 ** (7 + i / 4) for i in range(13)],  # 10 MB/s .. 10 GB/s
+}
+# Link latency assumed for emulated links (veth and loopback without netem): not measurable from bench records.
+EMULATED_ALPHA_S = 50e-6
+_MAX_WINDOW = 4096  # staleness windows beyond this are treated as fully absorbing (ASP-like) pacing
+
+
+@dataclass
+class Prediction:
+    """One predicted operating point. Times are seconds per step (per rank clock for ``async_ssp``)."""
+
+    strategy: str
+    nodes: int
+    ranks: int
+    step_s: float
+    compute_s: float
+    comm_s: float
+    wait_s: float
+    samples_per_s: float
+    ideal_samples_per_s: float
+    efficiency: float
+    bottleneck: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# A discrete distribution of one rank's step time: [(value_s, probability)].
+_Dist = list[tuple[float, float]]
+
+
+def _expected_max(groups: Iterable[tuple[int, _Dist]]) -> float:
+    """E[max] over independent ranks, ``groups`` = [(how many ranks, their step-time distribution)].
+
+    Exact for discrete distributions: E[max] = sum_i v_i (F(v_i) - F(v_{i-1})), F(x) = prod_g P_g(X <= x)^count_g.
+    """
+    groups = [(c, d) for c, d in groups if c > 0]
+    values = sorted({v for _, d in groups for v, _ in d})
+    out, previous = 0.0, 0.0
+    for v in values:
+        cdf = 1.0
+        for count, dist in groups:
+            cdf *= sum(p for x, p in dist if x <= v) ** count
+        out += v * (cdf - previous)
+        previous = cdf
+    return out
+
+
+def _mean(dist: _Dist) -> float:
+    return sum(v * p for v, p in dist)
+
+
+def _binomial(k: int, p: float) -> list[float]:
+    if p <= 0:
+        return [1.0] + [0.0] * k
+    if p >= 1:
+        return [0.0] * k + [1.0]
+    lp, lq = math.log(p), math.log1p(-p)
+    return [
+        math.exp(math.lgamma(k + 1) - math.lgamma(i + 1) - math.lgamma(k - i + 1) + i * lp + (k - i) * lq)
+        for i in range(k + 1)
+    ]
+
+
+class ScalingModel:
+    """Predicts step time, samples/s and efficiency of each strategy at any node count (see the module docstring).
+
+    Args:
+        compute_s_per_sample: each rank's compute seconds per sample (forward, backward, optimizer step), as
+            measured on ``len(list)`` ranks; a larger world repeats the list (rank ``r`` gets ``list[r % len]``), so
+            the fraction and placement of slow ranks is kept. Or one value for every rank, with
+            ``straggler_fraction``/``straggler_factor`` for slow ones.
+        batch_size: samples per rank and step.
+        grad_bytes: gradient bytes exchanged per step (4 x parameters in fp32).
+        procs_per_node: ranks per node (``m``).
+        intra_link: ``(alpha_s, bytes_per_s)`` of the links between ranks of one node.
+        inter_link: ``(alpha_s, bytes_per_s)`` of each node's link to the others.
+        straggler_fraction: fraction of ranks (the last ones, node-major) that are persistently slower; at least one
+            rank when > 0. Only with a single ``compute_s_per_sample``.
+        straggler_factor: how much slower they are (1.5 = 1.5x the compute time).
+        jitter_p: probability, per rank and step, of a pause.
+        jitter_factor: a pause lasts ``jitter_factor x`` the rank's compute time of that step.
+        overlap: fraction of a synchronous all-reduce hidden behind backward (calibrated; 0 = none).
+        collective_overhead_s: fixed CPU/launch cost of one collective call on a rank (calibrated).
+        comm_cpu_s_per_byte: CPU seconds a rank spends per byte it sends in a *background* exchange (hier_sync,
+            async_ssp), taken from its compute (calibrated; near 0 with GPU copy engines).
+        codec_s_per_byte: encode/decode CPU seconds per gradient byte of compression (calibrated).
+    """
+
+    def __init__(
+        self,
+        compute_s_per_sample: float | Sequence[float],
+        batch_size: int,
+        grad_bytes: float,
+        procs_per_node: int = 1,
+        intra_link: tuple[float, float] = (EMULATED_ALPHA_S, 1e9),
+        inter_link: tuple[float, float] = (EMULATED_ALPHA_S, 1e9),
+        straggler_fraction: float = 0.0,
+        straggler_factor: float = 1.0,
+        jitter_p: float = 0.0,
+        jitter_factor: float = 0.0,
+        overlap: float = 0.0,
+        collective_overhead_s: float = 0.0,
+        comm_cpu_s_per_byte: float = 0.0,
+        codec_s_per_byte: float = 0.0,
+    ) -> None:
+        if isinstance(compute_s_per_sample, (int, float)):
+            compute = [float(compute_s_per_sample)]
+        else:
+            compute = [float(c) for c in compute_s_per_sample]
+            if not compute:
+                raise ValueError("compute_s_per_sample is empty; HINT: give one value per measured rank, or one value")
+            if straggler_fraction > 0:
+                raise ValueError(
+                    f"straggler_fraction={straggler_fraction} with a per-rank compute_s_per_sample list; HINT: the "
+                    "list already says which ranks are slow: put the slowdown in the list or give a single value"
+                )
+        for c in compute:
+            if not (c > 0 and math.isfinite(c)):
+                raise ValueError(
+                    f"compute_s_per_sample must be > 0 and finite, got {c}; HINT: seconds of forward+backward+step "
+                    "per sample, e.g. 0.002"
+                )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}; HINT: samples per rank and step")
+        if not (grad_bytes >= 0 and math.isfinite(grad_bytes)):
+            raise ValueError(f"grad_bytes must be >= 0, got {grad_bytes}; HINT: 4 x the number of fp32 parameters")
+        if not isinstance(procs_per_node, int) or procs_per_node < 1:
+            raise ValueError(f"procs_per_node must be an integer >= 1, got {procs_per_node!r}; HINT: ranks per node")
+        for name, link in (("intra_link", intra_link), ("inter_link", inter_link)):
+            if len(link) != 2 or not (link[0] >= 0 and link[1] > 0 and math.isfinite(link[0])):
+                raise ValueError(
+                    f"{name}={link!r} is not (alpha_s >= 0, bytes_per_s > 0); HINT: e.g. (2e-5, 1.25e9) for 10 GbE"
+                )
+        if not 0 <= straggler_fraction <= 1:
+            raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction}; HINT: e.g. 0.25")
+        if straggler_factor < 1:
+            raise ValueError(f"straggler_factor must be >= 1 (1.5 = 1.5x slower), got {straggler_factor}")
+        if not 0 <= jitter_p <= 1:
+            raise ValueError(
+                f"jitter_p must be in [0, 1], got {jitter_p}; HINT: probability per rank and step, e.g. 0.1"
+            )
+        if jitter_factor < 0:
+            raise ValueError(f"jitter_factor must be >= 0, got {jitter_factor}; HINT: pause = factor x compute, e.g. 4")
+        if not 0 <= overlap <= 1:
+            raise ValueError(f"overlap must be in [0, 1], got {overlap}; HINT: fraction of the all-reduce hidden")
+        for name, value in (
+            ("collective_overhead_s", collective_overhead_s),
+            ("comm_cpu_s_per_byte", comm_cpu_s_per_byte),
+            ("codec_s_per_byte", codec_s_per_byte),
+        ):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be >= 0 and finite, got {value}; HINT: 0 disables it")
+        self.compute = compute
+        self.batch_size = batch_size
+        self.grad_bytes = float(grad_bytes)
+        self.procs_per_node = procs_per_node
+        self.intra_link = (float(intra_link[0]), float(intra_link[1]))
+        self.inter_link = (float(inter_link[0]), float(inter_link[1]))
+        self.straggler_fraction = float(straggler_fraction)
+        self.straggler_factor = float(straggler_factor)
+        self.jitter_p = float(jitter_p)
+        self.jitter_factor = float(jitter_factor)
+        self.overlap = float(overlap)
+        self.collective_overhead_s = float(collective_overhead_s)
+        self.comm_cpu_s_per_byte = float(comm_cpu_s_per_byte)
+        self.codec_s_per_byte = float(codec_s_per_byte)
+
+    # ----------------------------------------------------------------------------------------- who computes what
+    def _rank_groups(self, ranks: int) -> list[tuple[int, float]]:
+        """[(how many ranks, compute s/sample)] of a world of ``ranks``."""
+        if len(self.compute) > 1:
+            w = len(self.compute)
+            full, rem = divmod(ranks, w)
+            return [(full + (1 if i < rem else 0), c) for i, c in enumerate(self.compute)]
+        c = self.compute[0]
+        slow = max(1, round(self.straggler_fraction * ranks)) if self.straggler_fraction > 0 else 0
+        return [(ranks - slow, c), (slow, c * self.straggler_factor)]
+
+    def _node_patterns(self, nodes: int) -> list[tuple[int, list[float]]]:
+        """[(how many nodes, compute s/sample of each of their ranks)]: a node-major world, without listing it."""
+        m = self.procs_per_node
+        if len(self.compute) > 1:
+            w = len(self.compute)
+            period = w // math.gcd(w, m)  # the rank pattern of node j repeats with this period in j
+            full, rem = divmod(nodes, period)
+            return [
+                (full + (1 if j < rem else 0), [self.compute[(j * m + i) % w] for i in range(m)])
+                for j in range(min(period, nodes))
+            ]
+        groups = self._rank_groups(nodes * m)
+        (fast_n, c), (slow_n, cs) = groups
+        full_fast, mixed_fast = divmod(fast_n, m)
+        out = [(full_fast, [c] * m)]
+        if mixed_fast:
+            out.append((1, [c] * mixed_fast + [cs] * (m - mixed_fast)))
+        out.append((nodes - full_fast - (1 if mixed_fast else 0), [cs] * m))
+        return [(k, p) for k, p in out if k > 0]
+
+    def _step_dist(self, step_s: float) -> _Dist:
+        p, f = self.jitter_p, self.jitter_factor
+        if p <= 0 or f <= 0:
+            return [(step_s, 1.0)]
+        return [(step_s, 1.0 - p), (step_s * (1.0 + f), p)]
+
+    def _window_dist(self, step_s: float, window: int) -> _Dist:
+        """Mean step time over ``window`` consecutive steps (pauses drawn independently)."""
+        p, f = self.jitter_p, self.jitter_factor
+        if p <= 0 or f <= 0:
+            return [(step_s, 1.0)]
+        return [(step_s * (1.0 + f * k / window), q) for k, q in enumerate(_binomial(window, p)) if q > 0]
+
+    def _mean_factor(self) -> float:
+        return 1.0 + self.jitter_p * self.jitter_factor
+
+    def ideal_samples_per_s(self, nodes: int) -> float:
+        """The no-communication limit: every rank at its own mean rate (pauses included)."""
+        ranks = self._ranks(nodes)
+        return sum(k / (c * self._mean_factor()) for k, c in self._rank_groups(ranks))
+
+    # ---------------------------------------------------------------------------------------------- collectives
+    def _link(self, nodes: int) -> tuple[float, float]:
+        """The slowest link of a flat ring: inter-node when the world spans nodes."""
+        if nodes > 1:
+            return (max(self.intra_link[0], self.inter_link[0]), min(self.intra_link[1], self.inter_link[1]))
+        return self.intra_link
+
+    @staticmethod
+    def ring_all_reduce_s(k: int, nbytes: float, link: tuple[float, float]) -> float:
+        """2 (k-1)/k * bytes / beta + 2 (k-1) alpha; 0 for a group of one."""
+        if k <= 1:
+            return 0.0
+        alpha, beta = link
+        return 2 * (k - 1) / k * nbytes / beta + 2 * (k - 1) * alpha
+
+    @staticmethod
+    def ring_all_gather_s(k: int, payload_bytes: float, link: tuple[float, float]) -> float:
+        """(k-1) * payload / beta + (k-1) alpha: every rank receives the other k-1 payloads."""
+        if k <= 1:
+            return 0.0
+        alpha, beta = link
+        return (k - 1) * payload_bytes / beta + (k - 1) * alpha
+
+    def _collective(self, k: int, nbytes: float, link: tuple[float, float], compression: str, ratio: float) -> float:
+        kind = COMPRESSION[compression][1]
+        if kind == "all_gather":
+            return self.ring_all_gather_s(k, ratio * nbytes, link)
+        return self.ring_all_reduce_s(k, ratio * nbytes, link)
+
+    def _codec_s(self, k: int, nbytes: float, compression: str) -> float:
+        if compression == "none" or k <= 1:
+            return 0.0
+        decoded = (k - 1) if COMPRESSION[compression][1] == "all_gather" else 1
+        return self.codec_s_per_byte * nbytes * (1 + decoded)
+
+    def _collectives_per_step(self, nbytes: float) -> int:
+        return max(1, math.ceil(nbytes / _BUCKET_BYTES))
+
+    # -------------------------------------------------------------------------------------------- strategies
+    def _ranks(self, nodes: int) -> int:
+        return nodes * self.procs_per_node
+
+    def predict(self, strategy: str, nodes: int, **settings: Any) -> Prediction:
+        """Predicted operating point of ``strategy`` on ``nodes`` nodes of ``procs_per_node`` ranks.
+
+        Settings: ``compression`` (one of ``COMPRESSION``) and ``compression_ratio`` (bytes vs fp32) for ddp,
+        ddp_adaptive_batch, hier_sync and async_ssp; ``inter_period`` (4) and ``max_delay`` (1) for hier_sync;
+        ``staleness`` (1, ``None`` = ASP) for async_ssp.
+        """
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; HINT: one of {', '.join(STRATEGIES)}")
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}; HINT: e.g. nodes=8")
+        base, fixed = _VARIANTS.get(strategy, (strategy, {}))
+        unknown = set(settings) - _SETTINGS[base]
+        if unknown:
+            raise ValueError(
+                f"{strategy} has no setting(s) {sorted(unknown)}; HINT: it takes {sorted(_SETTINGS[base]) or 'none'}"
+            )
+        opts = {**settings, **fixed}
+        compression = opts.get("compression", "none")
+        if compression not in COMPRESSION:
+            raise ValueError(f"compression={compression!r} is unknown; HINT: one of {', '.join(COMPRESSION)}")
+        ratio = float(opts.get("compression_ratio", COMPRESSION[compression][0]))
+        if not 0 < ratio <= 1:
+            raise ValueError(f"compression_ratio must be in (0, 1], got {ratio}; HINT: bytes sent / fp32 bytes")
+        if base == "auto_sync":
+            pred = self._auto_sync(nodes, opts)
+        elif base in ("ddp", "ddp_adaptive_batch"):
+            pred = self._ddp(nodes, compression, ratio, adaptive=base == "ddp_adaptive_batch")
+        elif base == "hier_sync":
+            period, delay = opts.get("inter_period", 4), opts.get("max_delay", 1)
+            if not isinstance(period, int) or period < 1:
+                raise ValueError(f"inter_period must be an integer >= 1, got {period!r}; HINT: e.g. inter_period=4")
+            if not isinstance(delay, int) or delay < 0:
+                raise ValueError(f"max_delay must be an integer >= 0, got {delay!r}; HINT: e.g. max_delay=1")
+            pred = self._hier_sync(nodes, period, delay, compression, ratio)
+        else:
+            staleness = opts.get("staleness", 1)
+            if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
+                raise ValueError(f"staleness must be an integer >= 0 or None (ASP), got {staleness!r}; HINT: e.g. 1")
+            pred = self._async(nodes, staleness, compression, ratio)
+        if base != "auto_sync":  # auto_sync reports the mode it settled in
+            pred.settings = {k: v for k, v in opts.items() if k != "compression" or v != "none"}
+        pred.strategy = strategy
+        return pred
+
+    def _finish(
+        self, nodes: int, step: float, compute: float, comm: float, wait: float, samples: float, settings: dict
+    ) -> Prediction:
+        ideal = self.ideal_samples_per_s(nodes)
+        parts = {"compute": compute, "communication": comm, "straggler wait": wait}
+        return Prediction(
+            strategy="", nodes=nodes, ranks=self._ranks(nodes), step_s=step, compute_s=compute, comm_s=comm,
+            wait_s=wait, samples_per_s=samples, ideal_samples_per_s=ideal, efficiency=samples / ideal,
+            bottleneck=max(parts, key=lambda k: parts[k]), settings=settings,
+        )  # fmt: skip
+
+    def _sync_comm(self, nodes: int, compression: str, ratio: float) -> float:
+        ranks = self._ranks(nodes)
+        comm = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
+        comm += self._codec_s(ranks, self.grad_bytes, compression)
+        if ranks > 1:
+            comm += self._collectives_per_step(self.grad_bytes) * self.collective_overhead_s
+        return comm
+
+    def _ddp(self, nodes: int, compression: str, ratio: float, adaptive: bool) -> Prediction:
+        ranks, b = self._ranks(nodes), self.batch_size
+        groups = self._rank_groups(ranks)
+        if adaptive:
+            # Shares proportional to speed: every rank needs G / sum(1/c) seconds for its part of the global batch.
+            balanced = ranks * b / sum(k / c for k, c in groups)
+            groups = [(ranks, balanced / b)]
+        dists = [(k, self._step_dist(b * c)) for k, c in groups]
+        slowest = _expected_max(dists)
+        mean_compute = sum(k * _mean(d) for k, d in dists) / ranks
+        comm = self._sync_comm(nodes, compression, ratio)
+        exposed = comm - min(self.overlap * comm, mean_compute)
+        step = slowest + exposed
+        return self._finish(nodes, step, mean_compute, exposed, slowest - mean_compute, ranks * b / step, {})
+
+    def _hier_round_s(self, nodes: int, compression: str, ratio: float) -> tuple[float, float]:
+        """(duration of one inter-node round, CPU seconds it costs a rank)."""
+        m, nbytes = self.procs_per_node, self.grad_bytes
+        if nodes <= 1:
+            return 0.0, 0.0
+        # Reduce-scatter + all-gather inside the node cost one intra all-reduce; across nodes each local rank
+        # all-reduces its B/m shard, and the m shards share the node's link: the link carries B.
+        inside = self.ring_all_reduce_s(m, nbytes, self.intra_link)
+        shard = nbytes / m
+        link = (self.inter_link[0], self.inter_link[1] / m)
+        across = self._collective(nodes, shard, link, compression, ratio)
+        sent = (2 if COMPRESSION[compression][1] == "all_reduce" else 1) * ratio * shard * (nodes - 1)
+        cpu = self.comm_cpu_s_per_byte * sent + self._codec_s(nodes, shard, compression)
+        cpu += 3 * self.collective_overhead_s
+        return inside + across, cpu
+
+    def _hier_sync(self, nodes: int, period: int, delay: int, compression: str, ratio: float) -> Prediction:
+        ranks, b, m = self._ranks(nodes), self.batch_size, self.procs_per_node
+        t_round, cpu_round = self._hier_round_s(nodes, compression, ratio)
+        intra = self.ring_all_reduce_s(m, self.grad_bytes, self.intra_link)
+        if m > 1:
+            intra += self._collectives_per_step(self.grad_bytes) * self.collective_overhead_s
+        cpu = cpu_round / period
+        patterns = self._node_patterns(nodes)
+        if delay >= 1:
+            # Nodes run free within the delay window: the slowest node's mean step paces the others.
+            slowest = max(_expected_max([(1, self._step_dist(b * c + cpu)) for c in p]) for _, p in patterns)
+        else:
+            slowest = _expected_max([(k, self._step_dist(b * c + cpu)) for k, c in self._rank_groups(ranks)])
+        mean_compute = sum(k * b * c * self._mean_factor() for k, c in self._rank_groups(ranks)) / ranks
+        exposed_intra = intra - min(self.overlap * intra, mean_compute)
+        local = slowest + exposed_intra
+        step = max(local, t_round / period, local + (t_round - delay * period * local) / period)
+        comm = step - slowest
+        return self._finish(nodes, step, mean_compute, comm, slowest - mean_compute, ranks * b / step, {})
+
+    def _async(self, nodes: int, staleness: int | None, compression: str, ratio: float) -> Prediction:
+        ranks, b = self._ranks(nodes), self.batch_size
+        groups = self._rank_groups(ranks)
+        exchange = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
+        sent = (2 if COMPRESSION[compression][1] == "all_reduce" else 1) * ratio * self.grad_bytes
+        cpu = 0.0
+        if ranks > 1:
+            cpu = self.comm_cpu_s_per_byte * sent + self._codec_s(ranks, self.grad_bytes, compression)
+            cpu += self.collective_overhead_s
+        means = [(k, (b * c + cpu) * self._mean_factor()) for k, c in groups]
+        mean_compute = sum(k * t for k, t in means) / ranks
+        if staleness is None:
+            # ASP: every rank at its own rate, each capped by how fast its updates can leave.
+            samples = sum(k * b / max(t, exchange) for k, t in means)
+            step = ranks * b / samples
+            return self._finish(nodes, step, mean_compute, step - mean_compute, 0.0, samples, {})
+        window = staleness + 1
+        if window > _MAX_WINDOW:
+            pace = max(t for _, t in means)
+        else:
+            pace = _expected_max([(k, self._window_dist(b * c + cpu, window)) for k, c in groups])
+            pace = max(pace, max(t for _, t in means))
+        step = max(pace, exchange)
+        return self._finish(nodes, step, mean_compute, step - pace, pace - mean_compute, ranks * b / step, {})
+
+    def _auto_sync(self, nodes: int, opts: dict[str, Any]) -> Prediction:
+        modes = [self.predict("ddp", nodes)]
+        hier = {k: opts[k] for k in ("inter_period", "max_delay") if k in opts}
+        modes.append(self.predict("hier_sync", nodes, **hier))
+        modes.append(
+            self.predict("async_ssp", nodes, **({"staleness": opts["staleness"]} if "staleness" in opts else {}))
+        )
+        best = max(modes, key=lambda p: p.samples_per_s)
+        best.settings = {"mode": best.strategy, **best.settings}
+        return best
+
+    def table(self, strategies: Sequence[str], nodes_list: Sequence[int], **settings: Any) -> list[Prediction]:
+        """``predict`` for every strategy at every node count (settings a strategy does not take are left out)."""
+        out = []
+        for nodes in nodes_list:
+            for s in strategies:
+                base = _VARIANTS.get(s, (s, {}))[0]
+                own = {k: v for k, v in settings.items() if k in _SETTINGS.get(base, frozenset())}
+                out.append(self.predict(s, nodes, **own))
+        return out
+
+    # ------------------------------------------------------------------------------------------- calibration
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], params: Mapping[str, float] | None = None) -> ScalingModel:
+        """The model of one benchmark record (the format :meth:`calibrate` documents) under ``params``."""
+        p = {**DEFAULT_PARAMS, **(params or {})}
+        jp, jf = record.get("jitter") or (0.0, 0.0)
+        rates = [float(r) for r in record["ideal_per_rank_samples_per_s"]]
+        if not rates or min(rates) <= 0:
+            raise ValueError(f"record {record.get('scenario')}/{record.get('strategy')}: no positive ideal rates")
+        # The ideal run includes the pauses: its rate is 1 / (c (1 + p f)).
+        compute = [1.0 / (r * (1.0 + jp * jf)) for r in rates]
+        unlimited = (EMULATED_ALPHA_S, p["unlimited_bytes_per_s"])
+        link_mbit = record.get("link_mbit")
+        inter = unlimited if link_mbit is None else (EMULATED_ALPHA_S, min(link_mbit * 1e6 / 8, unlimited[1]))
+        return cls(
+            compute_s_per_sample=compute, batch_size=int(record["batch_size"]), grad_bytes=float(record["grad_bytes"]),
+            procs_per_node=int(record["procs_per_node"]), intra_link=unlimited, inter_link=inter,
+            jitter_p=jp, jitter_factor=jf, overlap=p["overlap"], collective_overhead_s=p["collective_overhead_s"],
+            comm_cpu_s_per_byte=p["comm_cpu_s_per_byte"], codec_s_per_byte=p["codec_s_per_byte"],
+        )  # fmt: skip
+
+    @classmethod
+    def _predict_record(cls, record: Mapping[str, Any], params: Mapping[str, float]) -> float:
+        model = cls.from_record(record, params)
+        return model.predict(record["model_strategy"], int(record["nodes"]), **record.get("settings", {})).samples_per_s
+
+    @classmethod
+    def _loss(cls, records: Sequence[Mapping[str, Any]], params: Mapping[str, float]) -> float:
+        errs = [math.log(cls._predict_record(r, params) / float(r["samples_per_s"])) ** 2 for r in records]
+        return sum(errs) / len(errs)
+
+    @classmethod
+    def calibrate(cls, records: Sequence[Mapping[str, Any]], rounds: int = 3) -> dict[str, float]:
+        """Fit the free parameters (``DEFAULT_PARAMS``) to benchmark records: coordinate descent on log grids,
+        minimising the mean squared log error of the predicted samples/s.
+
+        Each record is a dict with ``scenario``, ``strategy`` (its label), ``model_strategy`` and ``settings`` (what
+        :meth:`predict` takes), ``samples_per_s`` (measured), ``ideal_per_rank_samples_per_s`` (each rank alone,
+        same stragglers), ``batch_size``, ``grad_bytes``, ``nodes``, ``procs_per_node``, ``link_mbit`` (``None`` =
+        no limit: its bandwidth is ``unlimited_bytes_per_s``, fitted) and ``jitter`` (``[p, f]`` or ``None``).
+        ``syncasync-advise --calibrate`` builds them from ``syncasync-bench`` results.
+        """
+        records = list(records)
+        if not records:
+            raise ValueError("calibrate() got no records; HINT: pass syncasync-bench results of supported strategies")
+        best = dict(DEFAULT_PARAMS)
+        best_loss = cls._loss(records, best)
+        for _ in range(rounds):
+            improved = False
+            for name, grid in _GRIDS.items():
+                for value in grid:
+                    trial = {**best, name: value}
+                    loss = cls._loss(records, trial)
+                    if loss < best_loss - 1e-12:
+                        best, best_loss, improved = trial, loss, True
+            if not improved:
+                break
+        return best
+
+    @classmethod
+    def prediction_error(
+        cls, records: Sequence[Mapping[str, Any]], params: Mapping[str, float] | None = None
+    ) -> list[dict[str, Any]]:
+        """Per (scenario, strategy): median measured and predicted samples/s over repeats, and the relative error
+        ``(predicted - measured) / measured``."""
+        p = {**DEFAULT_PARAMS, **(params or {})}
+        by_key: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for r in records:
+            key = (str(r["scenario"]), str(r["strategy"]))
+            by_key.setdefault(key, []).append((float(r["samples_per_s"]), cls._predict_record(r, p)))
+        out = []
+        for (scenario, strategy), pairs in by_key.items():
+            measured = statistics.median(m for m, _ in pairs)
+            predicted = statistics.median(q for _, q in pairs)
+            out.append(
+                {
+                    "scenario": scenario,
+                    "strategy": strategy,
+                    "runs": len(pairs),
+                    "measured_samples_per_s": measured,
+                    "predicted_samples_per_s": predicted,
+                    "rel_error": (predicted - measured) / measured,
+                }
+            )
+        return out
