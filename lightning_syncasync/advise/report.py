@@ -1,0 +1,416 @@
+"""The advisor's decision: measured numbers in, a recommended strategy (and why) out; no processes, no torch.
+
+:func:`recommend` is a pure function of :class:`Measurements` and :class:`Thresholds`, so every branch of the
+decision flow can be unit-tested on synthetic numbers. The flow only narrows the candidates (a branch *allows*
+strategies that address what it found); among the allowed ones the :class:`ScalingModel` prediction decides, and a
+candidate replaces plain DDP only when it is predicted at least ``min_gain`` faster.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_syncasync.algorithms.costmodel import Prediction, ScalingModel
+
+CANDIDATES: tuple[str, ...] = (
+    "ddp",
+    "hier_sync",
+    "hier_sync_int8",
+    "async_ssp",
+    "ddp_adaptive_batch",
+    "ddp_int8",
+    "ddp_powersgd",
+    "auto_sync",
+)
+# Settings the advisor searches; the smallest (the least stale) within `settings_tolerance` of the best is chosen.
+_HIER_GRID = [(p, d) for p in (1, 2, 4, 8, 16) for d in (1, 2)]
+_STALENESS_GRID = (1, 2, 4, 8)
+
+
+@dataclass
+class Measurements:
+    """What the probe measured (or a test made up). Times in seconds, sizes in bytes, bandwidths in bytes/s.
+
+    ``*_alpha_s``/``*_bytes_per_s`` are ``None`` where there is no such link (one rank per node, one node);
+    ``links_assumed`` says they came from command-line assumptions instead of a measurement.
+    """
+
+    world_size: int
+    nodes: int
+    procs_per_node: int
+    batch_size: int
+    grad_bytes: float
+    median_step_s: list[float]
+    step_cv: list[float]
+    pause_p: list[float]
+    pause_f: list[float]
+    steps: list[int] = field(default_factory=list)
+    intra_alpha_s: float | None = None
+    intra_bytes_per_s: float | None = None
+    inter_alpha_s: float | None = None
+    inter_bytes_per_s: float | None = None
+    flat_all_reduce_s: float | None = None
+    links_assumed: bool = False
+    workload: str = ""
+    params: int = 0
+    backend: str = "gloo"
+    overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.world_size != self.nodes * self.procs_per_node:
+            raise ValueError(
+                f"world_size={self.world_size} is not nodes x procs_per_node = {self.nodes} x {self.procs_per_node}; "
+                "HINT: set LOCAL_WORLD_SIZE to the ranks per node"
+            )
+        for name in ("median_step_s", "step_cv", "pause_p", "pause_f"):
+            if len(getattr(self, name)) != self.world_size:
+                raise ValueError(f"{name} has {len(getattr(self, name))} values for {self.world_size} ranks")
+        if min(self.median_step_s) <= 0:
+            raise ValueError(f"median_step_s must be > 0, got {self.median_step_s}")
+
+    @property
+    def straggler_ratio(self) -> float:
+        """Slowest rank's median step over the median rank's: persistent heterogeneity (pauses leave medians)."""
+        return max(self.median_step_s) / statistics.median(self.median_step_s)
+
+    @property
+    def jitter(self) -> tuple[float, float]:
+        """Pooled pause probability and mean pause length (in units of the rank's median step)."""
+        p = statistics.fmean(self.pause_p)
+        weights = sum(self.pause_p)
+        f = sum(pp * ff for pp, ff in zip(self.pause_p, self.pause_f, strict=True)) / weights if weights > 0 else 0.0
+        return p, f
+
+    @property
+    def bandwidth_ratio(self) -> float | None:
+        if self.inter_bytes_per_s is None or self.intra_bytes_per_s is None:
+            return None
+        return self.inter_bytes_per_s / self.intra_bytes_per_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where the decision flow branches.
+
+    Args:
+        straggler_ratio: slowest/median step at or above which ranks are called persistently heterogeneous (this
+            VM's equal ranks differ by up to ~20%, hence 1.25).
+        straggler_cv: a slow rank whose own step times vary less than this (coefficient of variation) is slow
+            all the time (persistent), not pausing now and then.
+        jitter_p: pause probability per rank and step at or above which transient stragglers matter.
+        comm_fraction: predicted share of flat DDP's step spent communicating at or above which it is
+            communication-bound.
+        bandwidth_ratio: inter/intra bandwidth at or below which a hierarchy pays off.
+        min_gain: a candidate replaces DDP only when predicted at least this much faster (DDP is the safe default:
+            no staleness, no lossy compression).
+        settings_tolerance: among a strategy's settings, the least stale within this of the best is chosen.
+    """
+
+    straggler_ratio: float = 1.25
+    straggler_cv: float = 0.25
+    jitter_p: float = 0.02
+    comm_fraction: float = 0.2
+    bandwidth_ratio: float = 0.5
+    min_gain: float = 0.05
+    settings_tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.straggler_ratio < 1:
+            raise ValueError(f"straggler_ratio must be >= 1, got {self.straggler_ratio}")
+        for name in ("jitter_p", "comm_fraction", "bandwidth_ratio", "min_gain", "settings_tolerance", "straggler_cv"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Recommendation:
+    strategy: str
+    settings: dict[str, Any]
+    allowed: list[str]
+    flow: list[str]
+    predictions: dict[str, Prediction]
+    hydra: str
+    cli: str
+    regime: dict[str, bool]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["predictions"] = {k: v.as_dict() for k, v in self.predictions.items()}
+        return d
+
+
+def build_model(m: Measurements, params: dict[str, float] | None = None) -> ScalingModel:
+    """The ScalingModel of a measurement: per-rank compute from median steps, pauses, links."""
+    params = params or {}
+    p, f = m.jitter
+    intra = (m.intra_alpha_s or 0.0, m.intra_bytes_per_s) if m.intra_bytes_per_s else None
+    inter = (m.inter_alpha_s or 0.0, m.inter_bytes_per_s) if m.inter_bytes_per_s else None
+    if intra is None and inter is None:
+        raise ValueError("no link was measured or assumed; HINT: pass --intra-gbit and --inter-gbit")
+    # One rank per node has no intra-node link, one node no inter-node link: the other one stands in.
+    intra = intra or inter
+    inter = inter or intra
+    return ScalingModel(
+        compute_s_per_sample=[t / m.batch_size for t in m.median_step_s], batch_size=m.batch_size,
+        grad_bytes=m.grad_bytes, procs_per_node=m.procs_per_node, intra_link=intra, inter_link=inter,  # type: ignore[arg-type]
+        jitter_p=p, jitter_factor=f,
+        **{k: v for k, v in params.items() if k in ("overlap", "collective_overhead_s", "comm_cpu_s_per_byte",
+                                                    "codec_s_per_byte")},
+    )  # fmt: skip
+
+
+def best_settings(model: ScalingModel, strategy: str, nodes: int, tolerance: float) -> dict[str, Any]:
+    """The least stale settings of ``strategy`` predicted within ``tolerance`` of its best."""
+    if strategy.startswith("hier_sync"):
+        grid: list[dict[str, Any]] = [{"inter_period": p, "max_delay": d} for p, d in _HIER_GRID]
+    elif strategy == "async_ssp":
+        grid = [{"staleness": s} for s in _STALENESS_GRID]
+    else:
+        return {}
+    rates = [model.predict(strategy, nodes, **g).samples_per_s for g in grid]
+    best = max(rates)
+    return next(g for g, r in zip(grid, rates, strict=True) if r >= best * (1 - tolerance))
+
+
+def recommend(
+    m: Measurements,
+    thresholds: Thresholds | None = None,
+    available: Sequence[str] = CANDIDATES,
+    params: dict[str, float] | None = None,
+) -> Recommendation:
+    """Decide from measured numbers only (see the module docstring). ``available``: strategies this install can
+    run (``auto_sync`` is left out while it is not registered)."""
+    th = thresholds or Thresholds()
+    model = build_model(m, params)
+    n = m.nodes
+    settings = {s: best_settings(model, s, n, th.settings_tolerance) for s in CANDIDATES}
+    preds = {s: model.predict(s, n, **settings[s]) for s in CANDIDATES}
+    ddp = preds["ddp"]
+    ratio = m.straggler_ratio
+    slow = max(range(m.world_size), key=lambda r: m.median_step_s[r])
+    jp, jf = m.jitter
+    comm_frac = ddp.comm_s / ddp.step_s
+    bw = m.bandwidth_ratio
+
+    flow: list[str] = []
+    allowed = {"ddp"}
+    persistent = ratio >= th.straggler_ratio and m.step_cv[slow] < th.straggler_cv
+    hetero_note = f"straggler ratio max/median step = {ratio:.2f} (threshold {th.straggler_ratio:.2f})"
+    if ratio >= th.straggler_ratio:
+        kind = "persistent" if persistent else "not persistent"
+        hetero_note += f"; slowest rank {slow}'s step CV {m.step_cv[slow]:.2f} (< {th.straggler_cv} = persistent)"
+        flow.append(f"|- ranks alike? {hetero_note} -> heterogeneous, {kind}")
+    else:
+        flow.append(f"|- ranks alike? {hetero_note} -> homogeneous")
+    if persistent:
+        allowed |= {"ddp_adaptive_batch", "async_ssp"}
+        flow.append("|    `- allows ddp_adaptive_batch (shares by speed), async_ssp (no per-step wait)")
+    jitter = jp >= th.jitter_p
+    flow.append(
+        f"|- transient pauses? p = {jp:.3f} per rank-step (threshold {th.jitter_p}), mean pause {jf:.2f}x the step; "
+        f"DDP waits {ddp.wait_s * 1e3:.1f} ms/step for the slowest -> {'jitter' if jitter else 'no'}"
+    )
+    if jitter:
+        allowed |= {"async_ssp", "auto_sync"}
+        flow.append("|    `- allows async_ssp (staleness absorbs pauses), auto_sync")
+    bw_text = "n/a (one node)" if bw is None or n == 1 else f"{bw:.3f} (threshold {th.bandwidth_ratio})"
+    comm_bound = comm_frac >= th.comm_fraction
+    flow.append(
+        f"|- communication-bound? flat DDP predicted {comm_frac:.1%} of its step communicating "
+        f"(threshold {th.comm_fraction:.0%}); inter/intra bandwidth {bw_text} -> {'yes' if comm_bound else 'no'}"
+    )
+    hier = comm_bound and n > 1 and bw is not None and bw <= th.bandwidth_ratio
+    if comm_bound:
+        allowed |= {"ddp_int8", "ddp_powersgd"}
+        if hier:
+            allowed |= {"hier_sync", "hier_sync_int8", "auto_sync"}
+            flow.append(
+                "|    `- slow inter-node link: allows hier_sync, hier_sync_int8, auto_sync, ddp_int8, ddp_powersgd"
+            )
+        else:
+            flow.append("|    `- uniform links: allows compression (ddp_int8, ddp_powersgd)")
+    usable = [s for s in CANDIDATES if s in allowed and s in available]
+    missing = sorted(allowed - set(available))
+    if missing:
+        flow.append(f"|- not available in this install: {', '.join(missing)}")
+    best = max(usable, key=lambda s: preds[s].samples_per_s)
+    if best != "ddp" and preds[best].samples_per_s < ddp.samples_per_s * (1 + th.min_gain):
+        flow.append(
+            f"|- {best} predicted only {preds[best].samples_per_s / ddp.samples_per_s:.2f}x DDP "
+            f"(< {1 + th.min_gain:.2f}x): keep DDP"
+        )
+        best = "ddp"
+    gain = preds[best].samples_per_s / ddp.samples_per_s
+    flow.append(
+        f"`- recommendation: {best} {_fmt_settings(settings[best])}(predicted {preds[best].samples_per_s:.1f} "
+        f"samples/s, {preds[best].efficiency:.1%} efficiency, {gain:.2f}x DDP)"
+    )
+    return Recommendation(
+        strategy=best, settings=settings[best], allowed=usable, flow=flow, predictions=preds,
+        hydra=hydra_line(best, settings[best], m), cli=cli_line(best, settings[best], m),
+        regime={"persistent_straggler": persistent, "jitter": jitter, "comm_bound": comm_bound, "hierarchy": hier},
+    )  # fmt: skip
+
+
+def _fmt_settings(settings: dict[str, Any]) -> str:
+    return "".join(f"{k}={v} " for k, v in settings.items())
+
+
+def _shape(m: Measurements) -> list[str]:
+    return [f"trainer.num_nodes={m.nodes}", f"trainer.devices={m.procs_per_node}"]
+
+
+def hydra_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
+    """The ``syncasync-train`` overrides (names from ``conf/strategy`` and ``conf/callbacks``)."""
+    parts = ["syncasync-train", *m.overrides]
+    if strategy == "ddp_adaptive_batch":
+        parts += ["strategy=ddp", "+callbacks@callbacks.adaptive_batch=adaptive_batch"]
+    elif strategy in ("ddp_int8", "ddp_powersgd"):
+        parts += ["strategy=ddp_measured", f"strategy.compression={strategy.removeprefix('ddp_')}"]
+    elif strategy.startswith("hier_sync"):
+        parts += ["strategy=hier_sync", *(f"strategy.{k}={v}" for k, v in settings.items())]
+        if strategy == "hier_sync_int8":
+            parts.append("strategy.compression=int8")
+    elif strategy == "async_ssp":
+        parts += ["strategy=async_ssp", *(f"strategy.{k}={v}" for k, v in settings.items())]
+    else:
+        parts.append(f"strategy={strategy}")
+    return " ".join(parts + _shape(m))
+
+
+_CLASS = {
+    "hier_sync": "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
+    "async_ssp": "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
+    "ddp_measured": "lightning_syncasync.strategies.measured_ddp.MeasuredDDPStrategy",
+}
+
+
+def cli_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
+    """The ``syncasync-cli fit`` arguments (class paths where init args are set, as jsonargparse needs)."""
+    parts = ["syncasync-cli", "fit"]
+    if strategy == "ddp_adaptive_batch":
+        parts += ["--trainer.strategy=ddp", "--trainer.callbacks+=AdaptiveBatchSize"]
+    elif strategy in ("ddp_int8", "ddp_powersgd"):
+        parts += [
+            f"--trainer.strategy={_CLASS['ddp_measured']}",
+            f"--trainer.strategy.init_args.compression={strategy.removeprefix('ddp_')}",
+        ]
+    elif strategy.startswith("hier_sync") or strategy == "async_ssp":
+        base = "hier_sync" if strategy.startswith("hier_sync") else "async_ssp"
+        parts.append(f"--trainer.strategy={_CLASS[base]}")
+        parts += [f"--trainer.strategy.init_args.{k}={v}" for k, v in settings.items()]
+        if strategy == "hier_sync_int8":
+            parts.append("--trainer.strategy.init_args.compression=int8")
+    else:
+        parts.append(f"--trainer.strategy={strategy}")
+    return " ".join(parts + [f"--trainer.num_nodes={m.nodes}", f"--trainer.devices={m.procs_per_node}"])
+
+
+def format_predictions(preds: dict[str, Prediction], allowed: Sequence[str], recommended: str) -> list[str]:
+    lines = [
+        f"{'strategy':<20}{'samples/s':>11}{'efficiency':>12}{'step ms':>10}{'comm ms':>10}{'wait ms':>10}"
+        f"  {'bottleneck':<15}settings"
+    ]
+    for name, p in sorted(preds.items(), key=lambda kv: -kv[1].samples_per_s):
+        mark = "*" if name == recommended else ("+" if name in allowed else " ")
+        lines.append(
+            f"{mark}{name:<19}{p.samples_per_s:>11.1f}{p.efficiency:>11.1%}{p.step_s * 1e3:>10.1f}"
+            f"{p.comm_s * 1e3:>10.1f}{p.wait_s * 1e3:>10.1f}  {p.bottleneck:<15}{_fmt_settings(p.settings).strip()}"
+        )
+    lines.append("(* recommended, + allowed by the decision flow; predictions from the cost model)")
+    return lines
+
+
+def simulate(
+    m: Measurements, nodes_list: Sequence[int], settings: dict[str, dict[str, Any]], params: dict | None = None
+) -> list[Prediction]:
+    model = build_model(m, params)
+    return [model.predict(s, n, **settings.get(s, {})) for n in nodes_list for s in CANDIDATES]
+
+
+def format_simulation(preds: Sequence[Prediction]) -> list[str]:
+    nodes = sorted({p.nodes for p in preds})
+    names = list(dict.fromkeys(p.strategy for p in preds))
+    by = {(p.strategy, p.nodes): p for p in preds}
+    head = f"{'strategy':<20}" + "".join(f"{f'{n} nodes':>22}" for n in nodes)
+    lines = [head, f"{'':<20}" + "".join(f"{'samples/s  eff':>22}" for _ in nodes)]
+    for s in names:
+        cells = "".join(f"{by[(s, n)].samples_per_s:>14.4g} {by[(s, n)].efficiency:>6.1%}" for n in nodes)
+        lines.append(f"{s:<20}{cells}")
+    return lines
+
+
+def plot_scaling(preds: Sequence[Prediction], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s in dict.fromkeys(p.strategy for p in preds):
+        pts = sorted((p.nodes, p.samples_per_s, p.efficiency) for p in preds if p.strategy == s)
+        ax1.plot([x[0] for x in pts], [x[1] for x in pts], marker="o", label=s)
+        ax2.plot([x[0] for x in pts], [x[2] for x in pts], marker="o", label=s)
+    ax1.set(xscale="log", yscale="log", xlabel="nodes", ylabel="predicted samples/s", title="throughput")
+    ax2.set(xscale="log", xlabel="nodes", ylabel="samples/s / no-communication limit", title="efficiency")
+    ax2.set_ylim(0, 1.05)
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.suptitle("syncasync-advise: cost-model scaling from measured per-rank numbers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------- bench records -> calibration
+def calibration_record(record: dict[str, Any], scenario: Any, grad_bytes: float) -> dict[str, Any] | str:
+    """A ``syncasync-bench`` record in the form ``ScalingModel.calibrate`` takes, or why it is not modelled."""
+    cfg = record.get("config") or {}
+    st = cfg.get("strategy") or {}
+    target = str(st.get("_target_", ""))
+    callbacks = cfg.get("callbacks") or {}
+    adaptive = callbacks.get("adaptive_batch")
+    compression = st.get("compression") or "none"
+    settings: dict[str, Any] = {}
+    if adaptive and adaptive.get("grow_batch"):
+        return "grows the global batch (not modelled)"
+    if target.endswith("DDPStrategy") and not st.get("local_sgd"):
+        model = "ddp_adaptive_batch" if adaptive else "ddp"
+        if compression != "none":
+            if adaptive:
+                return "adaptive batches with compression (not modelled)"
+            settings["compression"] = compression
+    elif target.endswith("HierSyncStrategy") and not adaptive:
+        model = "hier_sync"
+        settings = {"inter_period": int(st.get("inter_period", 4)), "max_delay": int(st.get("max_delay", 1))}
+        if compression != "none":
+            settings["compression"] = compression
+    elif target.endswith("AsyncSSPStrategy") and not adaptive:
+        model = "async_ssp"
+        settings = {"staleness": st.get("staleness")}
+        if compression != "none":
+            settings["compression"] = compression
+    else:
+        return f"{target.rsplit('.', 1)[-1] or 'unknown strategy'} (not modelled)"
+    ideal = record.get("ideal_per_rank_samples_per_s")
+    if not ideal or not record.get("samples_per_s"):
+        return "no ideal per-rank rates in the record"
+    jitter = None
+    if scenario.jitter:
+        p, f = scenario.jitter.split(":")
+        jitter = [float(p), float(f)]
+    procs = st.get("node_size") or scenario.procs_per_node
+    return {
+        "scenario": record["scenario"], "strategy": record["strategy"], "model_strategy": model,
+        "settings": settings, "samples_per_s": float(record["samples_per_s"]),
+        "ideal_per_rank_samples_per_s": list(ideal), "batch_size": int(cfg["data"]["batch_size"]),
+        "grad_bytes": grad_bytes, "nodes": scenario.world_size // procs, "procs_per_node": procs,
+        "link_mbit": scenario.link_mbit, "jitter": jitter,
+    }  # fmt: skip
