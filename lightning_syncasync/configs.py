@@ -153,7 +153,7 @@ def _schemas() -> dict[str, type]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor
+    from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor, SyncSwitcher
     from lightning_syncasync.demo import (
         Classifier,
         DigitsDataModule,
@@ -162,6 +162,7 @@ def _schemas() -> dict[str, type]:
         TransformerLM,
     )
     from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+    from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
     from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
     from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
     from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
@@ -194,6 +195,10 @@ def _schemas() -> dict[str, type]:
             AsyncSSPStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None)},  # noqa: UP045
         ),
+        "strategy/auto_sync": builds(
+            AutoSyncStrategy,
+            extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
+        ),
         "strategy/deepspeed_cpu": builds(
             DeepSpeedCPUStrategy,
             extra={"process_group_backend": (Optional[str], None), "logging_batch_size_per_gpu": (int, 1)},  # noqa: UP045
@@ -201,6 +206,7 @@ def _schemas() -> dict[str, type]:
         "callbacks/sync_monitor": builds(SyncMonitor),
         "callbacks/straggler_emulator": builds(StragglerEmulator),
         "callbacks/adaptive_batch": builds(AdaptiveBatchSize),
+        "callbacks/switcher": builds(SyncSwitcher),
         "callbacks/model_checkpoint": builds(ModelCheckpoint),
         "callbacks/early_stopping": builds(EarlyStopping),
         "callbacks/rich_progress_bar": builds(RichProgressBar),

@@ -135,3 +135,49 @@ class LinearLossModel(TinyModel):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(512, 8, generator=g)
         return DataLoader(TensorDataset(x, torch.zeros(512)), batch_size=16)
+
+
+class ConstantGradModel(TinyModel):
+    """Loss ``(w * c_rank).sum()``: rank r's gradient is ``r + 1`` everywhere, whatever the weights and the data, so
+    after T SGD steps every correct data-parallel scheme (sync, hierarchical, asynchronous, any mix) holds exactly
+    ``w0 - lr * T * mean_r(r + 1)``: a lost or twice-applied update shows. Powers of two keep it exact in fp32.
+    ``slow_rank`` sleeps ``delay`` seconds per step (a persistent straggler)."""
+
+    lr = 0.125
+
+    def __init__(self, slow_rank: int | None = None, delay: float = 0.02) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 1, bias=False)
+        nn.init.zeros_(self.net.weight)
+        self.slow_rank, self.delay = slow_rank, delay
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        if self.global_rank == self.slow_rank:
+            time.sleep(self.delay)
+        w = self.net.weight
+        return (w * float(self.global_rank + 1)).sum() + 0.0 * batch[0].sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class NaNInAsyncModel(TinyLoggingModel):
+    """TinyLoggingModel whose loss is NaN on rank 0 for one step once the strategy runs asynchronously (after
+    ``after`` async steps), to exercise the switcher's rollback."""
+
+    def __init__(self, slow_rank: int | None = None, delay: float = 0.05, after: int = 3) -> None:
+        super().__init__(slow_rank, delay)
+        self.after = after
+        self.async_steps = 0
+        self.poisoned = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if getattr(self.trainer.strategy, "mode", "") == "async":
+            self.async_steps += 1
+            if self.global_rank == 0 and self.async_steps > self.after and not self.poisoned:
+                self.poisoned = True
+                return loss * float("nan")
+        return loss

@@ -463,4 +463,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     total = dict(summary, samples_per_s=summary["global_samples_per_s"])
     table.add_row(*row("all", total), style="bold")
     # A log file or CI console is not a terminal: give the table room instead of rich's 80-column default.
-    Console(width=None if sys.stdout.isatty() else 132).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    console.print(table)
+    # Policies' decisions (mode switches, rollbacks, batch rebalances), with their reasons.
+    for e in summary.get("events", []):
+        detail = "; ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "step", "train_s"))
+        console.print(f"step {e['step']} ({e.get('train_s', 0.0):.1f} s): {e['kind']}: {detail}", markup=False)

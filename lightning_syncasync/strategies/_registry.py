@@ -37,7 +37,6 @@ def _with_spawn(name: str, class_path: str, description: str) -> list[StrategyEn
     ]
 
 
-# The strategies that exist so far. auto_sync (with _spawn) appends here when it lands.
 STRATEGIES: list[StrategyEntry] = [
     *_with_spawn(
         "hier_sync",
@@ -48,6 +47,11 @@ STRATEGIES: list[StrategyEntry] = [
         "async_ssp",
         "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
         "asynchronous training with Stale Synchronous Parallel bounded staleness",
+    ),
+    *_with_spawn(
+        "auto_sync",
+        "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
+        "sync, hierarchical or asynchronous, switched from live metrics by SyncSwitcher",
     ),
     *_with_spawn(
         "deepspeed_cpu",

@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._flat import copy_flat_
 from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
@@ -174,28 +175,11 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
         ex = self.exchange
         if ex is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        ex.begin_step()  # the SSP gate, then what the others sent so far
-        before: dict[str, torch.Tensor] = {}
-
-        def wrapped() -> Any:
-            loss = closure()
-            value = loss.detach() if isinstance(loss, torch.Tensor) else None
-            if value is not None and not bool(torch.isfinite(value).all()):
-                raise DivergenceError(
-                    f"rank {self.global_rank}: loss is {value.item()} at clock {ex.clock} under async training; "
-                    "stopped before the update reached the other replicas. HINT: lower the learning rate or the "
-                    "staleness, or use SyncSwitcher to fall back to synchronous training"
-                )
-            delta, tau = ex.merge()  # updates that arrived during forward/backward
-            assert self._compensator is not None
-            self._compensator.apply(self._params, delta, tau)
-            before["flat"] = ex.flat()
-            return loss
-
-        out = super().optimizer_step(optimizer, wrapped, model, **kwargs)
-        if "flat" in before:  # the closure ran (an optimizer may skip it, e.g. LBFGS's first call)
-            ex.finish_step(before["flat"])
-        return out
+        assert self._compensator is not None
+        return ssp_optimizer_step(
+            ex, self._compensator, self._params, self.global_rank, closure,
+            lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
+        )  # fmt: skip
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
@@ -228,6 +212,52 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
             self.exchange.close()
             self.exchange = None
         super().teardown()
+
+
+def ssp_optimizer_step(
+    ex: SSPExchange,
+    compensator: StaleGradientCompensation,
+    params: list[torch.Tensor],
+    rank: int,
+    closure: Callable[[], Any],
+    run_step: Callable[[Callable[[], Any]], Any],
+    on_nonfinite: Callable[[float], None] | None = None,
+) -> Any:
+    """One optimizer step under SSP (also ``auto_sync``'s async mode): the gate, what arrived, the closure, the
+    compensation of the stale gradient, the step, and ``1/N`` of the update shipped.
+
+    A non-finite loss raises :class:`DivergenceError` before the update leaves the rank; with ``on_nonfinite`` it is
+    reported there instead and this step's update is dropped (the replica keeps what it had merged), so a policy can
+    restore a good state without the NaN having reached any other replica.
+    """
+    ex.begin_step()  # the SSP gate, then what the others sent so far
+    before: dict[str, torch.Tensor] = {}
+    bad: list[float] = []
+
+    def wrapped() -> Any:
+        loss = closure()
+        value = loss.detach() if isinstance(loss, torch.Tensor) else None
+        if value is not None and not bool(torch.isfinite(value).all()):
+            if on_nonfinite is None:
+                raise DivergenceError(
+                    f"rank {rank}: loss is {value.item()} at clock {ex.clock} under async training; stopped before "
+                    "the update reached the other replicas. HINT: lower the learning rate or the staleness, or use "
+                    "SyncSwitcher to fall back to synchronous training"
+                )
+            bad.append(float(value.float().mean()))
+        delta, tau = ex.merge()  # updates that arrived during forward/backward
+        compensator.apply(params, delta, tau)
+        before["flat"] = ex.flat()
+        return loss
+
+    out = run_step(wrapped)
+    if "flat" in before:  # the closure ran (an optimizer may skip it, e.g. LBFGS's first call)
+        if bad:
+            copy_flat_(ex.tensors, before["flat"])  # drop the update: the NaN must not reach the others
+            assert on_nonfinite is not None
+            on_nonfinite(bad[0])
+        ex.finish_step(before["flat"])
+    return out
 
 
 def _log_staleness(ex: SSPExchange) -> None:

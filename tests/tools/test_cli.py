@@ -83,19 +83,31 @@ def test_bad_input_is_rejected_with_the_setting_named(tmp_path, args, message):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "strategy_args",
+    ("strategy_args", "modes"),
     [
-        ["--trainer.strategy=hier_sync_spawn"],
-        [
-            "--trainer.strategy=lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
-            "--trainer.strategy.init_args.staleness=2",
-            "--trainer.strategy.init_args.compression=int8",
-            "--trainer.strategy.init_args.start_method=spawn",
-        ],
+        (["--trainer.strategy=hier_sync_spawn"], ("hier",)),
+        (
+            [
+                "--trainer.strategy=lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
+                "--trainer.strategy.init_args.staleness=2",
+                "--trainer.strategy.init_args.compression=int8",
+                "--trainer.strategy.init_args.start_method=spawn",
+            ],
+            ("async",),
+        ),
+        (
+            [
+                "--trainer.strategy=lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
+                "--trainer.strategy.init_args.mode=async",
+                "--trainer.strategy.init_args.switcher=false",
+                "--trainer.strategy.init_args.start_method=spawn",
+            ],
+            ("async",),
+        ),
     ],
-    ids=["hier_sync_by_name", "async_ssp_with_arguments"],
+    ids=["hier_sync_by_name", "async_ssp_with_arguments", "auto_sync_with_arguments"],
 )
-def test_our_strategies_from_the_command_line(tmp_path, strategy_args):
+def test_our_strategies_from_the_command_line(tmp_path, strategy_args, modes):
     proc = _cli(
         tmp_path, "fit", *strategy_args, "--trainer.max_steps=6", "--trainer.enable_progress_bar=false",
         "--trainer.callbacks+=lightning_syncasync.callbacks.SyncMonitor",
@@ -105,4 +117,4 @@ def test_our_strategies_from_the_command_line(tmp_path, strategy_args):
     import json
 
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["ranks"][0]["steps"] == 6 and summary["mode"] in ("hier", "async")
+    assert summary["ranks"][0]["steps"] == 6 and summary["mode"] in modes

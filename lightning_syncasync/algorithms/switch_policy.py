@@ -1,0 +1,215 @@
+"""The sync/async switching policy: the design brief's decision flow made quantitative.
+
+The brief's flow is: homogeneous nodes -> synchronous; heterogeneous nodes with enough bandwidth -> hybrid;
+otherwise asynchronous with stale-gradient compensation. Sync-Switch (Li et al., "Sync-Switch: Hybrid Parameter
+Synchronization for Distributed Deep Learning", ICDCS 2021) adds what makes such a flow safe online: start
+synchronous (early training is the most sensitive to staleness), decide per window of steps, only switch when a
+signal clears a threshold with hysteresis, stay at least a minimum dwell time in a mode, and fall back to
+synchronous training when the loss misbehaves.
+
+Signals, each computed from every rank's window of steps (so every rank computes the same decision):
+
+* communication fraction: the *smallest* per-rank share of step time spent blocked on communication. The slowest
+  rank never waits for a straggler, so its wait is the network's cost alone; the others' wait also holds the time
+  they waited for it. High on a slow inter-node link -> ``hier``.
+* straggler ratio: max over median of the per-rank mean compute time *per sample*. Per sample, because batch
+  rebalancing equalises compute time per step while the slow rank stays slow per sample. Persistent -> stay
+  ``sync`` and let :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` rebalance (when it runs; measured
+  better than async on the ``straggler`` benchmark, README), else ``async``.
+* jitter: the median over ranks of the coefficient of variation of per-step compute time per sample. Transient
+  pauses make every rank's own step times vary while their means stay equal; a synchronous step waits for the
+  worst rank of each step, an SSP step absorbs up to ``staleness`` steps of it -> ``async``.
+* divergence: a non-finite loss on any rank, or a window loss above ``spike_factor`` times the best of the recent
+  healthy windows -> back to ``sync``, restore the last good state, and keep the mode that diverged off for
+  ``cooldown_windows`` windows.
+
+Torch-free: the callback gathers the numbers; this module only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+MODES = ("sync", "hier", "async")
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """One window of steps, every rank's numbers (index = rank).
+
+    Attributes:
+        step: the global step at the end of the window.
+        compute_per_sample: mean compute seconds per sample of each rank.
+        compute_cv: coefficient of variation of each rank's per-step compute time per sample.
+        wait_frac: each rank's share of step time spent blocked on communication.
+        samples_per_s: global throughput over the window.
+        loss: the mean training loss over ranks and steps (``nan`` when no rank reported one).
+        nonfinite: some rank saw a non-finite loss in the window.
+    """
+
+    step: int
+    compute_per_sample: list[float]
+    compute_cv: list[float]
+    wait_frac: list[float]
+    samples_per_s: float
+    loss: float
+    nonfinite: bool = False
+
+    @property
+    def straggler_ratio(self) -> float:
+        mid = median(self.compute_per_sample)
+        return max(self.compute_per_sample) / mid if mid > 0 else 1.0
+
+    @property
+    def jitter(self) -> float:
+        return median(self.compute_cv)
+
+    @property
+    def comm_frac(self) -> float:
+        return min(self.wait_frac)
+
+    def describe(self) -> str:
+        return (
+            f"comm {self.comm_frac:.0%}, straggler ratio {self.straggler_ratio:.2f}, jitter {self.jitter:.2f}, "
+            f"{self.samples_per_s:.1f} samples/s, loss {self.loss:.4g}"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after a window: the mode to run next, why, and whether to restore the last good state."""
+
+    mode: str
+    reason: str
+    rollback: bool = False
+
+
+class SwitchPolicy:
+    """Decide the sync mode window by window (see the module docstring).
+
+    Args:
+        available: the modes this run can use (``hier`` needs more than one node, real or virtual).
+        warmup_steps: steps of synchronous training before the first switch.
+        dwell_windows: windows to stay in a mode after a switch before the next one (>= 1).
+        comm_high: communication fraction at or above which ``hier`` is chosen (a slow inter-node link).
+        straggler_high, straggler_low: straggler ratio to enter / to stay in the straggler regime.
+        jitter_high, jitter_low: jitter to enter / to stay in the jitter regime (``async``).
+        rebalance: batch rebalancing (``AdaptiveBatchSize``) is running: a persistent straggler stays ``sync``.
+        spike_factor: a window loss above this times the best recent healthy window is divergence (> 1).
+        cooldown_windows: windows a mode that diverged stays off.
+
+    Example::
+
+        policy = SwitchPolicy(available=("sync", "async"))
+        decision = policy.decide(window, current_mode="sync")
+    """
+
+    def __init__(
+        self,
+        available: tuple[str, ...] | list[str] = MODES,
+        warmup_steps: int = 20,
+        dwell_windows: int = 2,
+        comm_high: float = 0.35,
+        straggler_high: float = 1.3,
+        straggler_low: float = 1.15,
+        jitter_high: float = 0.5,
+        jitter_low: float = 0.3,
+        rebalance: bool = True,
+        spike_factor: float = 2.0,
+        cooldown_windows: int = 10,
+    ) -> None:
+        unknown = [m for m in available if m not in MODES]
+        if unknown or "sync" not in available:
+            raise ValueError(f"available must be a subset of {MODES} containing 'sync', got {list(available)}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if dwell_windows < 1:
+            raise ValueError(f"dwell_windows must be >= 1, got {dwell_windows}; HINT: 1 allows a switch every window")
+        if not 0 < comm_high < 1:
+            raise ValueError(f"comm_high must be in (0, 1) (a share of step time), got {comm_high}")
+        if not 1 <= straggler_low <= straggler_high:
+            raise ValueError(
+                f"need 1 <= straggler_low <= straggler_high, got {straggler_low} and {straggler_high}; HINT: the "
+                "ratio is slowest over median compute per sample, e.g. 1.15 and 1.3"
+            )
+        if not 0 <= jitter_low <= jitter_high:
+            raise ValueError(f"need 0 <= jitter_low <= jitter_high, got {jitter_low} and {jitter_high}")
+        if spike_factor <= 1:
+            raise ValueError(f"spike_factor must be > 1, got {spike_factor}; HINT: 2.0 flags a doubled loss")
+        if cooldown_windows < 0:
+            raise ValueError(f"cooldown_windows must be >= 0, got {cooldown_windows}")
+        self.available = tuple(available)
+        self.warmup_steps = warmup_steps
+        self.dwell_windows = dwell_windows
+        self.comm_high = comm_high
+        self.straggler_high, self.straggler_low = straggler_high, straggler_low
+        self.jitter_high, self.jitter_low = jitter_high, jitter_low
+        self.rebalance = rebalance
+        self.spike_factor = spike_factor
+        self.cooldown_windows = cooldown_windows
+        self.windows_in_mode = 0
+        self.recent_losses: list[float] = []  # healthy windows, newest last
+        self.banned: dict[str, int] = {}  # mode -> windows left
+
+    def decide(self, window: WindowStats, mode: str) -> Decision:
+        """The decision after ``window``, which ran in ``mode``."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.windows_in_mode += 1
+        self.banned = {m: n - 1 for m, n in self.banned.items() if n > 1}
+        best = min(self.recent_losses) if self.recent_losses else None
+        spiked = best is not None and window.loss == window.loss and window.loss > self.spike_factor * best
+        if window.nonfinite or spiked:
+            what = (
+                "a non-finite loss"
+                if window.nonfinite
+                else f"loss {window.loss:.4g} > {self.spike_factor:g} x {best:.4g}"
+            )
+            if mode != "sync" and self.cooldown_windows:
+                self.banned[mode] = self.cooldown_windows
+            self.windows_in_mode = 0
+            return Decision("sync", f"divergence ({what}) in {mode}: restore the last good state, synchronous", True)
+        if window.loss == window.loss:  # not NaN: a window with a loss
+            self.recent_losses = [*self.recent_losses, window.loss][-5:]
+        if window.step < self.warmup_steps:
+            return Decision(mode, f"synchronous warm-up ({window.step} < {self.warmup_steps} steps)")
+        if self.windows_in_mode < self.dwell_windows:
+            return Decision(mode, f"dwell ({self.windows_in_mode}/{self.dwell_windows} windows in {mode})")
+        want, why = self._want(window, mode)
+        if want != mode and want in self.banned:
+            return Decision(mode, f"{why}; but {want} diverged recently (off for {self.banned[want]} more windows)")
+        if want != mode:
+            self.windows_in_mode = 0
+        return Decision(want, why)
+
+    def _want(self, w: WindowStats, mode: str) -> tuple[str, str]:
+        if "hier" in self.available and mode == "hier":
+            # In hier the flat all-reduce's cost cannot be observed; the link does not get faster by itself.
+            return "hier", "slow inter-node link (measured before switching): stay hierarchical"
+        if "hier" in self.available and w.comm_frac >= self.comm_high:
+            return "hier", f"communication {w.comm_frac:.0%} >= {self.comm_high:.0%} of the step: hierarchical sync"
+        ratio, jitter = w.straggler_ratio, w.jitter
+        in_async = mode == "async"
+        if "async" in self.available and jitter >= (self.jitter_low if in_async else self.jitter_high):
+            limit = self.jitter_low if in_async else self.jitter_high
+            return "async", f"jitter {jitter:.2f} >= {limit:g} (transient pauses): asynchronous (SSP)"
+        if ratio >= (self.straggler_low if in_async else self.straggler_high):
+            if self.rebalance:
+                return "sync", (
+                    f"persistent straggler (ratio {ratio:.2f}): synchronous with batch rebalancing (measured faster "
+                    "than async under a persistent straggler)"
+                )
+            if "async" in self.available:
+                return "async", f"persistent straggler (ratio {ratio:.2f}), no rebalancing: asynchronous"
+        return "sync", f"homogeneous (ratio {ratio:.2f}, jitter {jitter:.2f}, comm {w.comm_frac:.0%}): synchronous"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows_in_mode": self.windows_in_mode, "recent_losses": list(self.recent_losses),
+                "banned": dict(self.banned)}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.windows_in_mode = int(state["windows_in_mode"])
+        self.recent_losses = [float(x) for x in state["recent_losses"]]
+        self.banned = {str(k): int(v) for k, v in state["banned"].items()}

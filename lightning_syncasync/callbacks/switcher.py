@@ -1,0 +1,247 @@
+"""``SyncSwitcher``: switch ``auto_sync`` between sync, hierarchical and asynchronous modes from live metrics.
+
+Every ``window`` steps each rank summarises its last window (compute per sample and its variation, communication
+share, samples, loss, divergence) from the ``StatsRecorder`` that :class:`SyncMonitor` fills; the numbers are
+all-gathered as one float tensor (no pickled objects), and every rank runs the same
+:class:`~lightning_syncasync.algorithms.switch_policy.SwitchPolicy` on the same numbers, so every rank reaches the
+same decision at the same step without a broadcast. A switch happens at that step boundary (before the next step's
+batch is used), through :meth:`AutoSyncStrategy.switch_mode`.
+
+Rollback: at every decision taken at a consistent point (synchronous mode, or right after a switch), and when the
+window was healthy, the callback keeps a CPU copy of the model and optimizer states (the same on every rank). On
+divergence it switches to ``sync`` and loads that copy on every rank; the data loader is not rewound.
+
+Every decision with its reasons goes to ``SyncMonitor`` (``summary["events"]``, kind ``switch`` when the mode
+changes, ``rollback`` when a state is restored) and to :attr:`SyncSwitcher.decisions`; the mode is logged as
+``syncasync/mode_id`` (0 sync, 1 hier, 2 async) and printed in the end-of-fit summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_syncasync.algorithms.switch_policy import MODES, SwitchPolicy, WindowStats
+from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
+from lightning_syncasync.callbacks.monitor import SyncMonitor
+from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy, ModeUnavailableError
+
+log = logging.getLogger(__name__)
+
+_FIELDS = 7  # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite
+
+
+class SyncSwitcher(Callback):
+    """The switching policy for ``Trainer(strategy="auto_sync")`` (added with its defaults by the strategy).
+
+    Args:
+        window: steps per decision (>= 2).
+        warmup_steps, dwell_windows, comm_high, straggler_high, straggler_low, jitter_high, jitter_low,
+            spike_factor, cooldown_windows: the policy's thresholds (see ``SwitchPolicy``; defaults measured on
+            the benchmark scenarios, README).
+        rebalance: run :class:`AdaptiveBatchSize` (added with its defaults if the Trainer has none): a persistent
+            straggler is then handled synchronously by rebalancing batches, which measured faster than async.
+        rollback: keep the last good state and restore it on divergence.
+
+    Example::
+
+        Trainer(strategy="auto_sync", devices=4, callbacks=[SyncSwitcher(window=20, jitter_high=0.6)])
+    """
+
+    def __init__(
+        self,
+        window: int = 10,
+        warmup_steps: int = 20,
+        dwell_windows: int = 2,
+        comm_high: float = 0.35,
+        straggler_high: float = 1.3,
+        straggler_low: float = 1.15,
+        jitter_high: float = 0.5,
+        jitter_low: float = 0.3,
+        spike_factor: float = 2.0,
+        cooldown_windows: int = 10,
+        rebalance: bool = True,
+        rollback: bool = True,
+    ) -> None:
+        if window < 2:
+            raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
+        self.window = window
+        self.rebalance = rebalance
+        self.rollback = rollback
+        self._policy_args: dict[str, Any] = {
+            "warmup_steps": warmup_steps, "dwell_windows": dwell_windows, "comm_high": comm_high,
+            "straggler_high": straggler_high, "straggler_low": straggler_low, "jitter_high": jitter_high,
+            "jitter_low": jitter_low, "spike_factor": spike_factor, "cooldown_windows": cooldown_windows,
+        }  # fmt: skip
+        SwitchPolicy(**self._policy_args)  # validate the thresholds now, not in every process later
+        self.policy: SwitchPolicy | None = None
+        self.decisions: list[dict[str, Any]] = []
+        self._monitor: SyncMonitor | None = None
+        self._losses: list[torch.Tensor] = []
+        self._decided_at = -1
+        self._good: dict[str, Any] | None = None
+        self._policy_state: dict[str, Any] | None = None
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not isinstance(trainer.strategy, AutoSyncStrategy):
+            raise ValueError(
+                f"SyncSwitcher switches the mode of strategy='auto_sync'; this Trainer runs "
+                f"{type(trainer.strategy).__name__}. HINT: Trainer(strategy='auto_sync', ...) adds a SyncSwitcher"
+            )
+        self._monitor = next((c for c in trainer.callbacks if isinstance(c, SyncMonitor)), None)
+        if self._monitor is None:
+            self._monitor = SyncMonitor(progress_bar=False, print_summary=False)
+            trainer.callbacks.append(self._monitor)  # its setup runs too: Lightning iterates the live list
+        if self.rebalance and not any(isinstance(c, AdaptiveBatchSize) for c in trainer.callbacks):
+            trainer.callbacks.append(AdaptiveBatchSize())
+            rank_zero_info("SyncSwitcher: added AdaptiveBatchSize (rebalance=True) for persistent stragglers")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, AutoSyncStrategy)
+        self.policy = SwitchPolicy(
+            available=strategy.available_modes, rebalance=self._rebalancing(trainer), **self._policy_args
+        )
+        if self._policy_state is not None:
+            self.policy.load_state_dict(self._policy_state)
+            self._policy_state = None
+        self._losses = []
+        self._good = None
+
+    # -- per step ------------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach().float().reshape(-1)[:1].cpu())
+        pl_module.log("syncasync/mode_id", float(MODES.index(trainer.strategy.mode)), on_step=True, batch_size=1)  # type: ignore[attr-defined]
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # A step boundary that every rank reaches at the same global step (once per step, not per micro-batch).
+        step = trainer.global_step
+        if step == 0 or step % self.window or step == self._decided_at or self.policy is None:
+            return
+        self._decided_at = step
+        strategy = trainer.strategy
+        assert isinstance(strategy, AutoSyncStrategy)
+        window = self._gather(trainer, strategy, step)
+        mode = strategy.mode
+        decision = self.policy.decide(window, mode)
+        record: dict[str, Any] = {"step": step, "mode": mode, "next": decision.mode, "reason": decision.reason,
+                                  "signals": window.describe()}  # fmt: skip
+        if decision.rollback:
+            self._restore(trainer, pl_module, strategy, step, record)
+        elif decision.mode != mode:
+            try:
+                strategy.switch_mode(decision.mode, step)
+            except ModeUnavailableError as err:  # keep training in the current mode, say why
+                record["next"], record["reason"] = mode, f"refused: {err}"
+            else:
+                self._event("switch", step, record)
+        self.decisions.append(record)
+        log.info("SyncSwitcher step %d: %s -> %s (%s; %s)", step, mode, record["next"], record["reason"],
+                 record["signals"])  # fmt: skip
+        consistent = strategy.mode == "sync" or record["next"] != mode
+        if self.rollback and consistent and not decision.rollback and not window.nonfinite:
+            self._keep_good(trainer, pl_module)
+
+    def _gather(self, trainer: pl.Trainer, strategy: AutoSyncStrategy, step: int) -> WindowStats:
+        steps = list(strategy.sync_stats.history)[-self.window :]
+        per_sample = [s.compute_s / s.samples for s in steps if s.samples > 0]
+        mean = sum(per_sample) / len(per_sample) if per_sample else 0.0
+        var = sum((x - mean) ** 2 for x in per_sample) / len(per_sample) if per_sample else 0.0
+        wall = sum(s.wall_s for s in steps)
+        wait = sum(s.wait_s for s in steps)
+        losses = torch.cat(self._losses) if self._losses else torch.empty(0)
+        self._losses = []
+        finite = losses[torch.isfinite(losses)]
+        nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None
+        strategy.diverged = None
+        local = torch.tensor(
+            [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
+             float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
+             1.0 if nonfinite else 0.0],
+            dtype=torch.float64,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
+            rows = trainer.strategy.all_gather(local).cpu().reshape(-1, _FIELDS).tolist()
+        walls = [r[4] for r in rows]
+        loss_values = [r[5] for r in rows if r[5] == r[5]]
+        return WindowStats(
+            step=step,
+            compute_per_sample=[r[0] for r in rows],
+            compute_cv=[r[1] for r in rows],
+            wait_frac=[r[2] for r in rows],
+            samples_per_s=sum(r[3] for r in rows) / max(walls) if max(walls) > 0 else 0.0,
+            loss=sum(loss_values) / len(loss_values) if loss_values else math.nan,
+            nonfinite=any(r[6] > 0 for r in rows),
+        )
+
+    # -- rollback ------------------------------------------------------------------------------------------------
+
+    def _keep_good(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Taken where every replica holds the same model, so the copy is the same on every rank.
+        self._good = {
+            "model": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+            "optimizers": [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers],
+        }
+
+    def _restore(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        strategy: AutoSyncStrategy,
+        step: int,
+        record: dict[str, Any],
+    ) -> None:
+        strategy.switch_mode("sync", step)
+        if self.rollback and self._good is not None:
+            pl_module.load_state_dict(self._good["model"])
+            for opt, state in zip(trainer.optimizers, self._good["optimizers"], strict=True):
+                opt.load_state_dict(copy.deepcopy(state))
+            record["reason"] += "; restored the last good state"
+        else:
+            record["reason"] += "; no good state kept (rollback=False or none yet): continuing"
+        self._event("rollback", step, record)
+
+    def _event(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        if self._monitor is not None:
+            fields = {k: v for k, v in record.items() if k != "step"}
+            self._monitor.record_event(kind, step, **fields)
+
+    @staticmethod
+    def _rebalancing(trainer: pl.Trainer) -> bool:
+        return any(isinstance(c, AdaptiveBatchSize) and c.adapt for c in trainer.callbacks)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict() if self.policy is not None else None, "decisions": self.decisions}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._policy_state = state_dict.get("policy")
+        self.decisions = list(state_dict.get("decisions", []))

@@ -1,0 +1,440 @@
+"""``AutoSyncStrategy`` (``auto_sync``): one strategy whose sync mode can change at a step boundary.
+
+Modes:
+
+* ``sync``: DDP's semantics, every gradient all-reduced over all ranks every step.
+* ``hier``: ``hier_sync``'s, gradients all-reduced inside the node and node replicas averaged across nodes by
+  :class:`~lightning_syncasync.algorithms.averaging.DelayedAverager` (``inter_period``, ``max_delay``).
+* ``async``: ``async_ssp``'s, local gradients and update deltas exchanged in the background by
+  :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` under the SSP bound ``staleness``.
+
+How: the model is wrapped once in torch DDP over all ranks, with one comm hook that reads the mode for each bucket:
+all-reduce over all ranks (sync), over the node (hier), or nothing (async). Switching never rebuilds DDP, and sync
+and hier keep DDP's bucketing and its overlap with backward. DDP's per-forward buffer broadcast is off (it would be
+a collective over all ranks at every forward, putting async ranks back in lockstep); buffers follow the mode
+instead: averaged with the parameters in hier and async, rank 0's made everyone's at switches, validation and the
+end of fit in sync (DDP's rule: rank 0's buffers are the model's).
+
+A switch (:meth:`AutoSyncStrategy.switch_mode`, called by every rank after the same step, normally by
+:class:`~lightning_syncasync.callbacks.SyncSwitcher`) leaves the current mode at a consistent cut (hier:
+``DelayedAverager.synchronize``; async: ``SSPExchange.cut(stop=True)``; sync: nothing is in flight after a step),
+so every update made so far is in every replica and the replicas are equal; the optimizer states (moments that
+hier and async let drift apart) are made rank 0's; then the next mode's algorithm starts from that one model.
+
+What Lightning's collectives mean: as in the mode that runs (``hier_sync``'s and ``async_ssp``'s docs); in async
+mode ``self.log(sync_dist=True)`` inside ``training_step`` logs the rank's own value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
+from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
+from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
+from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
+from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.ssp import SSPExchange
+from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
+from lightning_syncasync.algorithms.switch_policy import MODES
+from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies.async_ssp import ssp_optimizer_step
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["sync", "hier", "async"]
+_DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+class ModeUnavailableError(ValueError):
+    """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
+
+
+class AutoSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
+    """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
+
+    Args:
+        mode: the mode training starts in (``sync`` unless told otherwise; the switcher warms up synchronously).
+        switcher: add a :class:`~lightning_syncasync.callbacks.SyncSwitcher` with its defaults when the Trainer has
+            none (``Trainer(strategy="auto_sync")`` is then the whole feature); ``False`` keeps the mode fixed
+            unless a callback calls :meth:`switch_mode`.
+        node_size: ranks per node (default from the cluster); a smaller value forms virtual nodes for ``hier``.
+        inter_period, max_delay: ``hier`` mode's cross-node averaging (see ``HierSyncStrategy``).
+        staleness, compensation, lam: ``async`` mode's SSP bound and stale-gradient compensation (see
+            ``AsyncSSPStrategy``; ``staleness=None`` is ASP).
+        compression, compression_options: compression of hier's inter-node hop and of async's update exchange.
+        peer_timeout_s: bound on every background collective and cut; past it the run fails naming the lost rank.
+        **kwargs: what ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
+
+    Example::
+
+        Trainer(strategy="auto_sync", accelerator="cpu", devices=4)
+        Trainer(strategy=AutoSyncStrategy(node_size=2, staleness=2), devices=4, callbacks=[SyncSwitcher(window=20)])
+    """
+
+    strategy_name = "auto_sync"
+    _ckpt_key = "auto_sync"
+
+    def __init__(
+        self,
+        mode: Mode = "sync",
+        switcher: bool = True,
+        node_size: int | None = None,
+        inter_period: int = 4,
+        max_delay: int = 1,
+        staleness: int | None = 1,
+        compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
+        lam: float = 1.0,
+        compression: str = "none",
+        compression_options: dict[str, Any] | None = None,
+        peer_timeout_s: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_settings(inter_period, max_delay, "average", 1.0, 0.9)
+        if staleness is not None and staleness < 0:
+            raise ValueError(f"staleness must be >= 0 or None (ASP), got {staleness}; HINT: 0 is synchronous")
+        if compensation not in COMPENSATIONS:
+            raise ValueError(f"compensation must be one of {COMPENSATIONS}, got {compensation!r}")
+        StaleGradientCompensation(compensation, lam)  # validates lam
+        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
+        if node_size is not None and node_size < 1:
+            raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
+        if peer_timeout_s <= 0:
+            raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
+        if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
+            raise ValueError("auto_sync registers its own comm hook; drop ddp_comm_hook/model_averaging_period")
+        super().__init__(**kwargs)
+        self.mode: str = mode
+        self.switcher = switcher
+        self.node_size = node_size
+        self.inter_period, self.max_delay = inter_period, max_delay
+        self.staleness, self.compensation, self.lam = staleness, compensation, lam
+        self.compression = compression
+        self.compression_options = dict(compression_options or {})
+        self.peer_timeout_s = peer_timeout_s
+        self.sync_stats = StatsRecorder(mode=mode)
+        self.topology: Topology | None = None
+        self.averager: DelayedAverager | None = None
+        self.exchange: SSPExchange | None = None
+        self.diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
+        self.switches: list[tuple[int, str, str]] = []  # (step, from, to)
+        self._groups: dict[str, Any] = {}
+        self._compensator: StaleGradientCompensation | None = None
+        self._restored: dict[str, Any] | None = None
+        self._in_training_step = False
+        self._step = 0
+        self._params: list[torch.Tensor] = []
+        self._tensors: list[torch.Tensor] | None = None  # set when fitting: the parameters and float buffers
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+
+    @property
+    def available_modes(self) -> tuple[str, ...]:
+        """The modes this run can use: ``hier`` needs more than one node (real or virtual)."""
+        many = self.topology is not None and self.topology.num_nodes > 1
+        return ("sync", "hier", "async") if many else ("sync", "async")
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.switcher and self.lightning_module is not None:
+            from lightning_syncasync.callbacks.switcher import SyncSwitcher  # callbacks sit above strategies
+
+            trainer = self.lightning_module.trainer
+            if not any(isinstance(c, SyncSwitcher) for c in trainer.callbacks):
+                trainer.callbacks.append(SyncSwitcher())
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        topo = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size)
+        self.topology = topo
+        if self.mode == "hier" and topo.num_nodes < 2:
+            raise ModeUnavailableError(_no_hier(self.world_size))
+        timeout = timedelta(seconds=self.peer_timeout_s)
+        # Every rank creates every group in the same order. Each user of a group is alone on it: DDP's hook (all
+        # ranks / the node), the averager (node, cross-node) and the SSP thread never share one.
+        self._groups["grad"] = dist.new_group(timeout=timeout)
+        self._groups["grad_node"], _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
+        self._groups["avg_node"], _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
+        self._groups["cross"], _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        self._groups["ssp"] = dist.new_group(timeout=timeout)
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        kwargs = dict(self._ddp_kwargs)
+        if kwargs.pop("broadcast_buffers", None) or kwargs.pop("forward_sync_buffers", None):
+            log.info("auto_sync: per-forward buffer sync is off (buffers follow the mode; see the module docstring)")
+        # forward_sync_buffers (torch >= 2.13, where broadcast_buffers warns) keeps the sync at construction only.
+        key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers"
+        kwargs[key] = False
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **kwargs)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        MeasuredAllReduce(self.sync_stats, scope=self._hook_scope, inner_hook=_mode_hook, inner_state=self).register(
+            self.model
+        )
+
+    def _hook_scope(self) -> Scope | None:
+        if self.mode == "async":
+            return None  # no collective: nothing to measure
+        spans = self.mode == "sync" and self.topology is not None and self.topology.num_nodes > 1
+        return "inter" if spans else "intra"
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != "fit" or not isinstance(self.model, DistributedDataParallel):
+            return
+        module = self.lightning_module
+        assert module is not None
+        self._params = list(module.parameters())
+        self._tensors = self._params + [b for b in module.buffers() if b.is_floating_point()]
+        self._compensator = StaleGradientCompensation(self.compensation, self.lam)  # type: ignore[arg-type]
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            self.mode = str(restored["mode"])
+            self._step = int(restored.get("step", 0))
+        self._enter(self.mode, restored)
+
+    # -- switching -----------------------------------------------------------------------------------------------
+
+    def switch_mode(self, mode: str, step: int | None = None) -> bool:
+        """Continue in ``mode`` from the next step. Every rank must call it after the same step. Returns whether the
+        mode changed. Raises :class:`ModeUnavailableError` (nothing changed) when this run cannot use ``mode``."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in self.available_modes:
+            raise ModeUnavailableError(_no_hier(self.world_size))
+        if mode == self.mode:
+            return False
+        old = self.mode
+        self._leave(old)
+        self.mode = mode
+        self._enter(mode)
+        self.switches.append((self._step if step is None else step, old, mode))
+        log.info("auto_sync: %s -> %s at step %d", old, mode, self._step)
+        return True
+
+    def _leave(self, mode: str) -> None:
+        if mode == "hier" and self.averager is not None:
+            self.averager.synchronize()
+            self.averager.close()
+            self.averager = None
+        elif mode == "async" and self.exchange is not None:
+            self.exchange.cut(stop=True)
+            self.exchange = None
+        self._broadcast_buffers()
+        if mode != "sync":
+            self._broadcast_optimizer_states()  # hier/async let the moments drift apart
+
+    def _enter(self, mode: str, restored: dict[str, Any] | None = None) -> None:
+        self.sync_stats.mode = mode
+        assert self.topology is not None and self._tensors is not None
+        if mode == "hier":
+            self.averager = DelayedAverager(
+                self._tensors,
+                cross_group=self._groups["cross"],
+                node_group=self._groups["avg_node"],
+                local_rank=self.topology.local_rank_of(self.global_rank),
+                node_size=self.topology.node_size,
+                num_nodes=self.topology.num_nodes,
+                inter_period=self.inter_period,
+                max_delay=self.max_delay,
+                recorder=self.sync_stats,
+                compressor=self._compressor(),
+                timeout_s=self.peer_timeout_s,
+            )
+            if restored and restored.get("hier") is not None:
+                self.averager.load_state_dict(restored["hier"])
+        elif mode == "async":
+            self.exchange = SSPExchange(
+                self._tensors,
+                self._groups["ssp"],
+                staleness=self.staleness,
+                timeout_s=self.peer_timeout_s,
+                compressor=self._compressor(),
+                recorder=self.sync_stats,
+            )
+            if restored and restored.get("async") is not None:
+                self.exchange.load_state_dict(restored["async"])
+            self.exchange.start()
+
+    def _compressor(self) -> Compressor:
+        return Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        module = self.lightning_module
+        if module is None:
+            return
+        for b in module.buffers():
+            dist.broadcast(b.data, src=0)
+
+    @torch.no_grad()
+    def _broadcast_optimizer_states(self) -> None:
+        tensors = [
+            v
+            for opt in self.optimizers
+            for group in _unwrap(opt).param_groups
+            for p in group["params"]
+            for _, v in sorted(_unwrap(opt).state.get(p, {}).items())
+            if isinstance(v, torch.Tensor)
+        ]
+        # Every rank must broadcast the same list: compare the counts first, so a mismatch fails clearly.
+        count = torch.tensor([len(tensors), -len(tensors)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if int(count[0]) != -int(count[1]):
+            raise RuntimeError(
+                f"rank {self.global_rank}: optimizer states differ in size across ranks ({len(tensors)} tensors "
+                "here); auto_sync cannot make them one. HINT: every rank must build the same optimizer"
+            )
+        for t in tensors:
+            dist.broadcast(t, src=0)
+
+    # -- the training step ---------------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_training_step = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_training_step = False
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # In async mode ranks are at different steps inside training_step: a collective would re-synchronise them.
+        if self._in_training_step and self.exchange is not None:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        last = not self.optimizers or _unwrap(optimizer) is _unwrap(self.optimizers[-1])
+        if self.mode == "async" and self.exchange is not None:
+            assert self._compensator is not None
+            out = ssp_optimizer_step(
+                self.exchange, self._compensator, self._params, self.global_rank, closure,
+                lambda wrapped: super(AutoSyncStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
+                on_nonfinite=self._held_back,
+            )  # fmt: skip
+        else:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self.averager is not None and last:
+                self.averager.after_step()
+        if last:
+            self._step += 1
+        return out
+
+    def _held_back(self, loss: float) -> None:
+        self.diverged = loss
+        log.warning("auto_sync: rank %d: non-finite loss %s in async mode; update held back", self.global_rank, loss)
+
+    # -- consistent cuts -----------------------------------------------------------------------------------------
+
+    @override
+    def on_validation_start(self) -> None:
+        module = self.lightning_module
+        if module is not None and module.trainer.training:
+            if self.exchange is not None:
+                self.exchange.cut()  # validate the merged model (async_ssp's rule)
+            elif self.mode == "sync" and self.model is not None:
+                self._broadcast_buffers()
+        super().on_validation_start()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # All ranks save together: a consistent cut, so the checkpoint holds the one merged model.
+        if self.averager is not None:
+            self.averager.synchronize()
+        elif self.exchange is not None and self.exchange._thread is not None:
+            self.exchange.cut()
+        return super().lightning_module_state_dict()
+
+    def _algorithm(self) -> Any | None:
+        return _ModeState(self) if self._tensors is not None else None
+
+    @override
+    def on_train_end(self) -> None:
+        # The model fit() leaves behind is the merged one, whatever the mode; the mode's threads stop here.
+        if self._tensors is not None:
+            self._leave(self.mode)
+            self._tensors = None
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            if self.averager is not None:
+                self.averager.close()
+            if self.exchange is not None:
+                self.exchange.close()
+        finally:
+            self.averager = self.exchange = None
+            super().teardown()
+
+
+class _ModeState:
+    """What a checkpoint holds for auto_sync (taken after the cut of ``lightning_module_state_dict``)."""
+
+    def __init__(self, strategy: AutoSyncStrategy) -> None:
+        self.strategy = strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.strategy
+        return {
+            "mode": s.mode,
+            "step": s._step,
+            "hier": s.averager.state_dict() if s.averager is not None else None,
+            "async": s.exchange.state_dict() if s.exchange is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.strategy
+        if state["mode"] not in s.available_modes:
+            raise ModeUnavailableError(_no_hier(s.world_size))
+        s._leave(s.mode)
+        s.mode = str(state["mode"])
+        s._step = int(state.get("step", 0))
+        s._enter(s.mode, state)
+
+
+def _mode_hook(strategy: AutoSyncStrategy, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the gradient all-reduce of the current mode (over all ranks, over the node, or none)."""
+    if strategy.mode == "async":
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())  # local gradients: the update exchange carries the rest
+        return fut
+    group = strategy._groups["grad" if strategy.mode == "sync" else "grad_node"]
+    return allreduce_hook(group, bucket)
+
+
+def _no_hier(world_size: int) -> str:
+    return (
+        f"mode 'hier' needs more than one node, and this run has one node of {world_size} ranks. HINT: set "
+        f"node_size (e.g. node_size={max(world_size // 2, 1)}) to form virtual nodes, or use mode 'sync'/'async'"
+    )
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -1,0 +1,170 @@
+"""auto_sync with Lightning on gloo processes (spawn): random switches lose nothing, sync mode is DDP, the switcher's
+decisions and rollback, resume in the saved mode, bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from _models import ConstantGradModel, NaNInAsyncModel, TinyModel
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.callbacks import SyncMonitor, SyncSwitcher
+from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy, ModeUnavailableError
+
+
+class RandomSwitches(Callback):
+    """Before each step, switch to a random mode (the same draw on every rank: one seed)."""
+
+    def __init__(self, seed: int, modes: tuple[str, ...], p: float = 0.4) -> None:
+        self.rng = random.Random(seed)
+        self.modes, self.p = modes, p
+        self.seen: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step and self.rng.random() < self.p:
+            trainer.strategy.switch_mode(self.rng.choice(self.modes), trainer.global_step)
+        self.seen.append(trainer.strategy.mode)
+
+
+class ToAsync(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            trainer.strategy.switch_mode("async", 2)
+
+
+class Final(Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.save(
+            {
+                "final": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
+                "mode": getattr(trainer.strategy, "mode", "sync"),
+                "switches": list(getattr(trainer.strategy, "switches", [])),
+                "decisions": next((c.decisions for c in trainer.callbacks if isinstance(c, SyncSwitcher)), []),
+                "seen": next((c.seen for c in trainer.callbacks if isinstance(c, RandomSwitches)), []),
+            },
+            Path(self.out) / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def _fit(out: Path, strategy, model, devices=2, steps=8, callbacks=(), ckpt_path=None, val=False):
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, default_root_dir=out,
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), Final(str(out)),
+                   *callbacks],
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=2 if val else 0, val_check_interval=4 if val else None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt") for r in range(devices)], json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_random_switches_under_a_straggler_lose_no_update(tmp_path):
+    # 4 processes as 2 virtual nodes, rank 3 a persistent straggler, the mode redrawn at random step boundaries.
+    steps = 24
+    strategy = AutoSyncStrategy(switcher=False, node_size=2, compensation="none", max_delay=1, inter_period=2,
+                                staleness=2, start_method="spawn")  # fmt: skip
+    ranks, summary = _fit(tmp_path, strategy, ConstantGradModel(slow_rank=3), devices=4, steps=steps,
+                          callbacks=[RandomSwitches(seed=8, modes=("sync", "hier", "async"))])  # fmt: skip
+    seen = ranks[0]["seen"]
+    assert {"sync", "hier", "async"} <= set(seen) and len(ranks[0]["switches"]) >= 8  # a real mix of switches
+    for r in ranks:
+        assert r["seen"] == seen  # every rank switched at the same steps
+        torch.testing.assert_close(r["final"], ranks[0]["final"], rtol=0, atol=0)  # one model
+    # Every update applied once: w0 - lr * T * mean(1, 2, 3, 4), exactly.
+    want = torch.full((16,), -ConstantGradModel.lr * steps * 2.5)
+    torch.testing.assert_close(ranks[0]["final"], want, rtol=0, atol=1e-6)
+    assert summary["mode"] == ranks[0]["mode"]
+
+
+@pytest.mark.timeout(240)
+def test_sync_mode_equals_ddp(tmp_path):
+    torch.manual_seed(0)
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"), TinyModel())
+    torch.manual_seed(0)
+    auto, summary = _fit(tmp_path / "auto", AutoSyncStrategy(switcher=False, start_method="spawn"), TinyModel())
+    for r in range(2):
+        torch.testing.assert_close(auto[r]["final"], ddp[0]["final"], rtol=0, atol=1e-6)
+    assert summary["mode"] == "sync" and summary["ranks"][0]["bytes_intra_per_step"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_path):
+    # No batch rebalancing: a persistent straggler then means async. A NaN on rank 0 in async mode is held back,
+    # the next window rolls back to the last good state in sync mode, and async stays off for the cooldown.
+    switcher = SyncSwitcher(window=3, warmup_steps=3, dwell_windows=1, rebalance=False, straggler_high=1.5,
+                            straggler_low=1.2, jitter_high=5.0, jitter_low=4.0, cooldown_windows=20)  # fmt: skip
+    model = NaNInAsyncModel(slow_rank=1, delay=0.1, after=2)
+    ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="spawn"), model, steps=15, callbacks=[switcher],
+                          val=True)  # fmt: skip
+    kinds = [(e["kind"], e["mode"], e["next"]) for e in summary["events"]]
+    assert ("switch", "sync", "async") in kinds
+    assert ("rollback", "async", "sync") in kinds
+    rollback = next(e for e in summary["events"] if e["kind"] == "rollback")
+    assert "non-finite" in rollback["reason"] and "restored the last good state" in rollback["reason"]
+    after = [d for d in ranks[0]["decisions"] if d["step"] > rollback["step"]]
+    assert after and all(d["next"] == "sync" for d in after)  # async is off after it diverged
+    assert any("diverged recently" in d["reason"] for d in after)
+    for r in ranks:
+        assert torch.isfinite(r["final"]).all()
+        torch.testing.assert_close(r["final"], ranks[0]["final"], rtol=0, atol=0)
+        assert r["decisions"] == ranks[0]["decisions"]  # one decision per window, the same on every rank
+
+
+@pytest.mark.timeout(240)
+def test_resume_continues_in_the_saved_mode(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    strategy = AutoSyncStrategy(switcher=False, compensation="none", start_method="spawn")
+    _fit(tmp_path / "a", strategy, ConstantGradModel(slow_rank=1), steps=4, callbacks=[ToAsync(), ckpt])
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    assert torch.load(path, weights_only=False)["auto_sync"]["mode"] == "async"
+    strategy = AutoSyncStrategy(switcher=False, compensation="none", start_method="spawn")
+    ranks, summary = _fit(tmp_path / "b", strategy, ConstantGradModel(slow_rank=1), steps=8, ckpt_path=str(path))
+    assert summary["mode"] == "async" and ranks[0]["mode"] == "async"
+    want = torch.full((16,), -ConstantGradModel.lr * 8 * 1.5)
+    for r in ranks:
+        torch.testing.assert_close(r["final"], want, rtol=0, atol=1e-6)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        AutoSyncStrategy(mode="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="staleness"):
+        AutoSyncStrategy(staleness=-1)
+    with pytest.raises(ValueError, match="inter_period"):
+        AutoSyncStrategy(inter_period=0)
+    with pytest.raises(ValueError, match="node_size"):
+        AutoSyncStrategy(node_size=0)
+    with pytest.raises(ValueError, match="ddp_comm_hook"):
+        AutoSyncStrategy(ddp_comm_hook=lambda *a: None)
+    with pytest.raises(ValueError, match="window"):
+        SyncSwitcher(window=1)
+    with pytest.raises(ValueError, match="dwell_windows"):
+        SyncSwitcher(dwell_windows=0)
+    with pytest.raises(ValueError, match="straggler_low"):
+        SyncSwitcher(straggler_high=1.1, straggler_low=1.2)
+    # hier on one node without virtual nodes: refused, nothing changes.
+    strategy = AutoSyncStrategy(switcher=False)
+    strategy.topology = Topology.from_cluster(4, 1, None)
+    with pytest.raises(ModeUnavailableError, match="node_size"):
+        strategy.switch_mode("hier")
+    assert strategy.mode == "sync" and strategy.available_modes == ("sync", "async")
+
+
+def test_switcher_needs_auto_sync():
+    trainer = Trainer(accelerator="cpu", devices=1, callbacks=[SyncSwitcher()], logger=False, max_steps=1,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.raises(ValueError, match="auto_sync"):
+        trainer.fit(TinyModel())
