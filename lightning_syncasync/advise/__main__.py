@@ -200,20 +200,20 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     print("\ndecision flow")
     print("\n".join(rec.flow))
     shown = {k: v for k, v in rec.predictions.items() if args.strategies is None or k in args.strategies or k == "ddp"}
-    print(f"\npredicted at {meas.nodes} node(s) x {meas.procs_per_node}:")
+    source = f"calibrated ({args.params})" if params else "defaults, uncalibrated (--params FILE from --calibrate)"
+    print(f"\npredicted at {meas.nodes} node(s) x {meas.procs_per_node}; cost-model parameters: {source}")
     print("\n".join(format_predictions(shown, rec.allowed, rec.strategy)))
     print(f"\nrecommended: {rec.strategy}")
     print(f"  Hydra: {rec.hydra}")
-    print(f"  CLI:   {rec.cli}")
+    print(f"  CLI:   {rec.cli}  (plus your --model/--data)")
     out: dict[str, Any] = {"measurements": meas.as_dict(), "recommendation": rec.as_dict(), "params": params}
     if args.simulate_nodes:
-        settings = {s: p.settings for s, p in rec.predictions.items() if s != "auto_sync"}
         strategies = [s for s in CANDIDATES if s in shown]
-        preds = [p for p in simulate(meas, args.simulate_nodes, settings, params) if p.strategy in strategies]
+        preds = simulate(meas, args.simulate_nodes, strategies, params)
         print(f"\nsimulated ({meas.procs_per_node} ranks per node, measured per-rank numbers, cost model):")
         print("\n".join(format_simulation(preds)))
         grid = sorted(set(args.simulate_nodes) | {2**k for k in range(1, 11)})
-        plotted = [p for p in simulate(meas, grid, settings, params) if p.strategy in strategies]
+        plotted = simulate(meas, grid, strategies, params)
         plot_scaling(plotted, args.plot)
         print(f"plot: {args.plot}")
         out["simulation"] = [p.as_dict() for p in preds]

@@ -178,6 +178,13 @@ def best_settings(model: ScalingModel, strategy: str, nodes: int, tolerance: flo
     return next(g for g, r in zip(grid, rates, strict=True) if r >= best * (1 - tolerance))
 
 
+def candidate_settings(model: ScalingModel, nodes: int, tolerance: float) -> dict[str, dict[str, Any]]:
+    """Every candidate's settings at ``nodes``; auto_sync switches between the chosen hier_sync and async_ssp."""
+    settings = {s: best_settings(model, s, nodes, tolerance) for s in CANDIDATES}
+    settings["auto_sync"] = {**settings["hier_sync"], **settings["async_ssp"]}
+    return settings
+
+
 def recommend(
     m: Measurements,
     thresholds: Thresholds | None = None,
@@ -189,7 +196,7 @@ def recommend(
     th = thresholds or Thresholds()
     model = build_model(m, params)
     n = m.nodes
-    settings = {s: best_settings(model, s, n, th.settings_tolerance) for s in CANDIDATES}
+    settings = candidate_settings(model, n, th.settings_tolerance)
     preds = {s: model.predict(s, n, **settings[s]) for s in CANDIDATES}
     ddp = preds["ddp"]
     ratio = m.straggler_ratio
@@ -219,13 +226,19 @@ def recommend(
     if jitter:
         allowed |= {"async_ssp", "auto_sync"}
         flow.append("|    `- allows async_ssp (staleness absorbs pauses), auto_sync")
-    bw_text = "n/a (one node)" if bw is None or n == 1 else f"{bw:.3f} (threshold {th.bandwidth_ratio})"
+    if n == 1:
+        bw_text = "n/a (one node)"
+    elif bw is None:
+        bw_text = "n/a (one rank per node: every hop is inter-node)"
+    else:
+        bw_text = f"{bw:.3f} (threshold {th.bandwidth_ratio})"
     comm_bound = comm_frac >= th.comm_fraction
     flow.append(
         f"|- communication-bound? flat DDP predicted {comm_frac:.1%} of its step communicating "
         f"(threshold {th.comm_fraction:.0%}); inter/intra bandwidth {bw_text} -> {'yes' if comm_bound else 'no'}"
     )
-    hier = comm_bound and n > 1 and bw is not None and bw <= th.bandwidth_ratio
+    # With one rank per node hier_sync is periodic averaging across nodes: it pays whenever the link is the cost.
+    hier = comm_bound and n > 1 and (bw is None or bw <= th.bandwidth_ratio)
     if comm_bound:
         allowed |= {"ddp_int8", "ddp_powersgd"}
         if hier:
@@ -328,10 +341,20 @@ def format_predictions(preds: dict[str, Prediction], allowed: Sequence[str], rec
 
 
 def simulate(
-    m: Measurements, nodes_list: Sequence[int], settings: dict[str, dict[str, Any]], params: dict | None = None
+    m: Measurements,
+    nodes_list: Sequence[int],
+    strategies: Sequence[str] = CANDIDATES,
+    params: dict | None = None,
+    tolerance: float = Thresholds.settings_tolerance,
 ) -> list[Prediction]:
+    """Predictions at each node count, each strategy with its settings chosen again for that size (a user would
+    retune ``inter_period``/``staleness`` for a larger cluster)."""
     model = build_model(m, params)
-    return [model.predict(s, n, **settings.get(s, {})) for n in nodes_list for s in CANDIDATES]
+    out = []
+    for n in nodes_list:
+        settings = candidate_settings(model, n, tolerance)
+        out += [model.predict(s, n, **settings[s]) for s in strategies]
+    return out
 
 
 def format_simulation(preds: Sequence[Prediction]) -> list[str]:
@@ -343,6 +366,10 @@ def format_simulation(preds: Sequence[Prediction]) -> list[str]:
     for s in names:
         cells = "".join(f"{by[(s, n)].samples_per_s:>14.4g} {by[(s, n)].efficiency:>6.1%}" for n in nodes)
         lines.append(f"{s:<20}{cells}")
+    for s in names:
+        chosen = [f"{n}: {_fmt_settings(by[(s, n)].settings).strip()}" for n in nodes if by[(s, n)].settings]
+        if chosen and any("inter_period" in c or "staleness" in c or "mode" in c for c in chosen):
+            lines.append(f"  {s} settings by nodes: " + "; ".join(chosen))
     return lines
 
 
@@ -355,8 +382,10 @@ def plot_scaling(preds: Sequence[Prediction], path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s in dict.fromkeys(p.strategy for p in preds):
         pts = sorted((p.nodes, p.samples_per_s, p.efficiency) for p in preds if p.strategy == s)
-        ax1.plot([x[0] for x in pts], [x[1] for x in pts], marker="o", label=s)
-        ax2.plot([x[0] for x in pts], [x[2] for x in pts], marker="o", label=s)
+        # auto_sync coincides with the mode it settles in: dashed, so both stay visible.
+        style = {"linestyle": "--", "marker": "x"} if s == "auto_sync" else {"marker": "o"}
+        ax1.plot([x[0] for x in pts], [x[1] for x in pts], label=s, **style)
+        ax2.plot([x[0] for x in pts], [x[2] for x in pts], label=s, **style)
     ax1.set(xscale="log", yscale="log", xlabel="nodes", ylabel="predicted samples/s", title="throughput")
     ax2.set(xscale="log", xlabel="nodes", ylabel="samples/s / no-communication limit", title="efficiency")
     ax2.set_ylim(0, 1.05)
