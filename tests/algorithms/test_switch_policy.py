@@ -1,0 +1,103 @@
+"""SwitchPolicy on hand-made windows: each regime of the decision flow, hysteresis, dwell, warm-up, divergence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_syncasync.algorithms.switch_policy import SwitchPolicy, WindowStats
+
+
+def window(step=100, compute=(1.0, 1.0, 1.0, 1.0), cv=(0.05,) * 4, wait=(0.05,) * 4, loss=1.0, nonfinite=False):
+    return WindowStats(step, list(compute), list(cv), list(wait), 100.0, loss, nonfinite)
+
+
+def policy(**kw):
+    return SwitchPolicy(warmup_steps=0, dwell_windows=1, **kw)
+
+
+def test_signals():
+    w = window(compute=(1.0, 1.0, 1.2, 2.0), cv=(0.1, 0.2, 0.9, 1.0), wait=(0.5, 0.4, 0.3, 0.1))
+    assert w.straggler_ratio == pytest.approx(2.0 / 1.1)  # slowest over median, per sample
+    assert w.jitter == pytest.approx(0.55)  # median of the per-rank variations
+    assert w.comm_frac == pytest.approx(0.1)  # the slowest rank waits only for the network
+    assert "straggler ratio 1.82" in w.describe()
+
+
+def test_each_regime_of_the_flow():
+    assert policy().decide(window(), "sync").mode == "sync"  # homogeneous
+    slow_link = window(wait=(0.7, 0.72, 0.69, 0.71))
+    d = policy().decide(slow_link, "sync")
+    assert d.mode == "hier" and "communication 69%" in d.reason
+    assert policy(available=("sync", "async")).decide(slow_link, "sync").mode == "sync"  # one node: no hier
+    jitter = window(cv=(0.9, 0.8, 0.85, 0.95))
+    assert policy().decide(jitter, "sync").mode == "async"
+    straggler = window(compute=(1.0, 1.0, 1.0, 1.5))
+    d = policy().decide(straggler, "sync")
+    assert d.mode == "sync" and "rebalancing" in d.reason  # AdaptiveBatchSize handles it
+    assert policy(rebalance=False).decide(straggler, "sync").mode == "async"
+
+
+def test_hysteresis_keeps_async_until_the_signal_is_clearly_gone():
+    p = policy()
+    assert p.decide(window(cv=(0.4,) * 4), "async").mode == "async"  # below high, above low: stay
+    assert p.decide(window(cv=(0.2,) * 4), "async").mode == "sync"
+    assert policy().decide(window(cv=(0.4,) * 4), "sync").mode == "sync"  # not enough to enter
+
+
+def test_warmup_and_dwell():
+    p = SwitchPolicy(warmup_steps=50, dwell_windows=3)
+    jitter = window(step=40, cv=(0.9,) * 4)
+    assert p.decide(jitter, "sync").mode == "sync"  # warm-up
+    p = SwitchPolicy(warmup_steps=0, dwell_windows=3)
+    assert [p.decide(window(cv=(0.9,) * 4), "sync").mode for _ in range(3)] == ["sync", "sync", "async"]
+    assert p.decide(window(), "async").mode == "async"  # dwell again after the switch
+    assert "dwell" in p.decide(window(), "async").reason
+
+
+def test_divergence_rolls_back_and_bans_the_mode():
+    p = policy(cooldown_windows=2)
+    assert not p.decide(window(loss=1.0), "async").rollback
+    d = p.decide(window(loss=math.nan, nonfinite=True), "async")
+    assert d.rollback and d.mode == "sync" and "non-finite" in d.reason
+    jitter = window(cv=(0.9,) * 4)
+    d = p.decide(jitter, "sync")
+    assert d.mode == "sync" and "diverged recently" in d.reason
+    assert p.decide(jitter, "sync").mode == "async"  # the cooldown is over
+    spike = p.decide(window(loss=5.0), "async")
+    assert spike.rollback and "loss 5 > 2 x 1" in spike.reason
+
+
+def test_state_round_trip():
+    p = policy(cooldown_windows=4)
+    p.decide(window(loss=2.0), "async")
+    p.decide(window(nonfinite=True), "async")
+    q = policy(cooldown_windows=4)
+    q.load_state_dict(p.state_dict())
+    assert q.state_dict() == p.state_dict() and "async" in q.banned
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"available": ("hier", "async")}, "available"),
+        ({"available": ("sync", "fast")}, "available"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"dwell_windows": 0}, "dwell_windows"),
+        ({"comm_high": 1.5}, "comm_high"),
+        ({"straggler_high": 1.1, "straggler_low": 1.2}, "straggler_low"),
+        ({"straggler_low": 0.9}, "straggler_low"),
+        ({"jitter_high": 0.1, "jitter_low": 0.2}, "jitter_low"),
+        ({"spike_factor": 1.0}, "spike_factor"),
+        ({"cooldown_windows": -1}, "cooldown_windows"),
+    ],
+)
+def test_bad_thresholds(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SwitchPolicy(**kwargs)
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        policy().decide(window(), "fast")
