@@ -3,9 +3,10 @@
 The brief's flow is: homogeneous nodes -> synchronous; heterogeneous nodes with enough bandwidth -> hybrid;
 otherwise asynchronous with stale-gradient compensation. Sync-Switch (Li et al., "Sync-Switch: Hybrid Parameter
 Synchronization for Distributed Deep Learning", ICDCS 2021) adds what makes such a flow safe online: start
-synchronous (early training is the most sensitive to staleness), decide per window of steps, only switch when a
-signal clears a threshold with hysteresis, stay at least a minimum dwell time in a mode, and fall back to
-synchronous training when the loss misbehaves.
+synchronous (early training is the most sensitive to staleness; here: no async before ``warmup_steps``, while
+``hier``, whose cross-node delay is bounded, may start after the first window), decide per window of steps, only
+switch when a signal clears a threshold with hysteresis, stay at least a minimum dwell time in a mode, and fall back
+to synchronous training when the loss misbehaves.
 
 Signals, each computed from every rank's window of steps (so every rank computes the same decision):
 
@@ -91,7 +92,8 @@ class SwitchPolicy:
 
     Args:
         available: the modes this run can use (``hier`` needs more than one node, real or virtual).
-        warmup_steps: steps of synchronous training before the first switch.
+        warmup_steps: steps before the first switch to ``async`` (early training is the most sensitive to stale
+            updates); ``hier`` may start after the first window.
         dwell_windows: windows to stay in a mode after a switch before the next one (>= 1).
         comm_high: communication fraction at or above which ``hier`` is chosen (a slow inter-node link).
         straggler_high, straggler_low: straggler ratio to enter / to stay in the straggler regime.
@@ -173,11 +175,13 @@ class SwitchPolicy:
             return Decision("sync", f"divergence ({what}) in {mode}: restore the last good state, synchronous", True)
         if window.loss == window.loss:  # not NaN: a window with a loss
             self.recent_losses = [*self.recent_losses, window.loss][-5:]
-        if window.step < self.warmup_steps:
-            return Decision(mode, f"synchronous warm-up ({window.step} < {self.warmup_steps} steps)")
         if self.windows_in_mode < self.dwell_windows:
             return Decision(mode, f"dwell ({self.windows_in_mode}/{self.dwell_windows} windows in {mode})")
         want, why = self._want(window, mode)
+        if want == "async" and window.step < self.warmup_steps:
+            # Early training is the most sensitive to stale updates (Sync-Switch); hier's bounded cross-node delay
+            # is what hier_sync runs from step 0, so only async waits for the warm-up.
+            return Decision(mode, f"{why}; but synchronous warm-up ({window.step} < {self.warmup_steps} steps)")
         if want != mode and want in self.banned:
             return Decision(mode, f"{why}; but {want} diverged recently (off for {self.banned[want]} more windows)")
         if want != mode:

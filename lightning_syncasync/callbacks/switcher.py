@@ -1,11 +1,11 @@
 """``SyncSwitcher``: switch ``auto_sync`` between sync, hierarchical and asynchronous modes from live metrics.
 
-Every ``window`` steps each rank summarises its last window (compute per sample and its variation, communication
-share, samples, loss, divergence) from the ``StatsRecorder`` that :class:`SyncMonitor` fills; the numbers are
-all-gathered as one float tensor (no pickled objects), and every rank runs the same
-:class:`~lightning_syncasync.algorithms.switch_policy.SwitchPolicy` on the same numbers, so every rank reaches the
-same decision at the same step without a broadcast. A switch happens at that step boundary (before the next step's
-batch is used), through :meth:`AutoSyncStrategy.switch_mode`.
+After ``first_window`` steps, then every ``window`` steps, each rank summarises its last window (compute per sample
+and its variation, communication share, samples, loss, divergence) from the ``StatsRecorder`` that
+:class:`SyncMonitor` fills; the numbers are all-gathered as one float tensor (no pickled objects), and every rank
+runs the same :class:`~lightning_syncasync.algorithms.switch_policy.SwitchPolicy` on the same numbers, so every rank
+reaches the same decision at the same step without a broadcast. A switch happens at that step boundary (before the
+next step's batch is used), through :meth:`AutoSyncStrategy.switch_mode`.
 
 Rollback: at every decision taken at a consistent point (synchronous mode, or right after a switch), and when the
 window was healthy, the callback keeps a CPU copy of the model and optimizer states (the same on every rank). On
@@ -45,6 +45,8 @@ class SyncSwitcher(Callback):
 
     Args:
         window: steps per decision (>= 2).
+        first_window: steps before the first decision (>= 2): short, so that a slow inter-node link is left for
+            ``hier`` after a few steps instead of a whole window.
         warmup_steps, dwell_windows, comm_high, straggler_high, straggler_low, jitter_high, jitter_low,
             spike_factor, cooldown_windows: the policy's thresholds (see ``SwitchPolicy``; defaults measured on
             the benchmark scenarios, README).
@@ -60,6 +62,7 @@ class SyncSwitcher(Callback):
     def __init__(
         self,
         window: int = 10,
+        first_window: int = 4,
         warmup_steps: int = 20,
         dwell_windows: int = 2,
         comm_high: float = 0.35,
@@ -74,7 +77,10 @@ class SyncSwitcher(Callback):
     ) -> None:
         if window < 2:
             raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
+        if first_window < 2:
+            raise ValueError(f"first_window must be >= 2 steps, got {first_window}; HINT: 4 decides after 4 steps")
         self.window = window
+        self.first_window = first_window
         self.rebalance = rebalance
         self.rollback = rollback
         self._policy_args: dict[str, Any] = {
@@ -140,12 +146,14 @@ class SyncSwitcher(Callback):
     ) -> None:
         # A step boundary that every rank reaches at the same global step (once per step, not per micro-batch).
         step = trainer.global_step
-        if step == 0 or step % self.window or step == self._decided_at or self.policy is None:
+        due = step == self.first_window or (step > self.first_window and (step - self.first_window) % self.window == 0)
+        if not due or step == self._decided_at or self.policy is None:
             return
+        span = self.first_window if step == self.first_window else self.window
         self._decided_at = step
         strategy = trainer.strategy
         assert isinstance(strategy, AutoSyncStrategy)
-        window = self._gather(trainer, strategy, step)
+        window = self._gather(trainer, strategy, step, span)
         mode = strategy.mode
         decision = self.policy.decide(window, mode)
         record: dict[str, Any] = {"step": step, "mode": mode, "next": decision.mode, "reason": decision.reason,
@@ -166,8 +174,9 @@ class SyncSwitcher(Callback):
         if self.rollback and consistent and not decision.rollback and not window.nonfinite:
             self._keep_good(trainer, pl_module)
 
-    def _gather(self, trainer: pl.Trainer, strategy: AutoSyncStrategy, step: int) -> WindowStats:
-        steps = list(strategy.sync_stats.history)[-self.window :]
+    def _gather(self, trainer: pl.Trainer, strategy: AutoSyncStrategy, step: int, span: int) -> WindowStats:
+        # The first step of a fit carries one-off costs (DDP's bucket rebuild, allocator warm-up): left out.
+        steps = [s for s in list(strategy.sync_stats.history)[-span:] if s.step > 1]
         per_sample = [s.compute_s / s.samples for s in steps if s.samples > 0]
         mean = sum(per_sample) / len(per_sample) if per_sample else 0.0
         var = sum((x - mean) ** 2 for x in per_sample) / len(per_sample) if per_sample else 0.0

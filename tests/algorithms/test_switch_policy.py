@@ -47,9 +47,11 @@ def test_hysteresis_keeps_async_until_the_signal_is_clearly_gone():
 
 
 def test_warmup_and_dwell():
-    p = SwitchPolicy(warmup_steps=50, dwell_windows=3)
-    jitter = window(step=40, cv=(0.9,) * 4)
-    assert p.decide(jitter, "sync").mode == "sync"  # warm-up
+    p = SwitchPolicy(warmup_steps=50, dwell_windows=1)
+    d = p.decide(window(step=40, cv=(0.9,) * 4), "sync")
+    assert d.mode == "sync" and "warm-up" in d.reason  # no async before the warm-up ends
+    d = p.decide(window(step=40, wait=(0.7,) * 4), "sync")
+    assert d.mode == "hier"  # a slow link is left at once: hier's delay is bounded
     p = SwitchPolicy(warmup_steps=0, dwell_windows=3)
     assert [p.decide(window(cv=(0.9,) * 4), "sync").mode for _ in range(3)] == ["sync", "sync", "async"]
     assert p.decide(window(), "async").mode == "async"  # dwell again after the switch
