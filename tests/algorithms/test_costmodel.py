@@ -1,0 +1,183 @@
+"""ScalingModel: formulas against hand computations, monotonicity, order statistics, regimes, bad input."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from lightning_syncasync.algorithms.costmodel import DEFAULT_PARAMS, ScalingModel, _expected_max
+
+FAST = (0.0, 1e12)
+
+
+def _model(**kw):
+    args = dict(compute_s_per_sample=0.01, batch_size=10, grad_bytes=1e6, procs_per_node=2, intra_link=FAST,
+                inter_link=(0.0, 1e7))  # fmt: skip
+    args.update(kw)
+    return ScalingModel(**args)
+
+
+@pytest.mark.timeout(10)
+def test_ring_formulas_match_hand_computations():
+    # 2 (k-1)/k * B / beta + 2 (k-1) alpha = 1.5 s + 6 ms
+    assert ScalingModel.ring_all_reduce_s(4, 1e6, (1e-3, 1e6)) == pytest.approx(1.506)
+    assert ScalingModel.ring_all_reduce_s(1, 1e6, (1e-3, 1e6)) == 0.0
+    assert ScalingModel.ring_all_gather_s(4, 1e6, (0.0, 1e6)) == pytest.approx(3.0)
+
+
+@pytest.mark.timeout(10)
+def test_ddp_step_by_hand():
+    # 2 nodes x 2 ranks: T = 10 x 0.01 = 0.1 s; the ring crosses the 10 MB/s link: 2 * 3/4 * 1 MB / 10 MB/s = 0.15 s.
+    p = _model().predict("ddp", nodes=2)
+    assert p.step_s == pytest.approx(0.25)
+    assert p.samples_per_s == pytest.approx(40 / 0.25)
+    assert p.ideal_samples_per_s == pytest.approx(400)
+    assert p.efficiency == pytest.approx(0.4)
+    assert p.bottleneck == "communication"
+    # Half of the all-reduce hidden behind backward.
+    assert _model(overlap=0.5).predict("ddp", nodes=2).step_s == pytest.approx(0.175)
+    # One node: only the fast intra link.
+    assert _model().predict("ddp", nodes=1).efficiency == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.timeout(10)
+def test_int8_all_gather_and_powersgd_bytes():
+    m = _model()
+    # int8: all-gather of 0.254 B over 4 ranks: 3 x 0.254 MB / 10 MB/s
+    assert m.predict("ddp_int8", 2).comm_s == pytest.approx(3 * 0.254e6 / 1e7)
+    assert m.predict("ddp_powersgd", 2).comm_s == pytest.approx(1.5 * 0.03e6 / 1e7)
+    # Encode/decode: int8 decodes N-1 payloads.
+    slow = _model(codec_s_per_byte=1e-9).predict("ddp_int8", 2).comm_s - m.predict("ddp_int8", 2).comm_s
+    assert slow == pytest.approx(1e-9 * 1e6 * 4)
+
+
+@pytest.mark.timeout(10)
+def test_monotone_in_nodes_and_bandwidth():
+    m = _model(grad_bytes=50e6)
+    for strategy in ("ddp", "hier_sync", "ddp_powersgd", "async_ssp"):
+        effs = [m.predict(strategy, n).efficiency for n in (2, 4, 16, 128, 1024)]
+        assert all(a >= b - 1e-12 for a, b in zip(effs, effs[1:], strict=False)), (strategy, effs)
+    rates = [_model(inter_link=(0.0, bw)).predict("ddp", 8).samples_per_s for bw in (1e6, 1e7, 1e8, 1e9)]
+    assert rates == sorted(rates)
+
+
+@pytest.mark.timeout(10)
+def test_expected_max_order_statistic():
+    assert _expected_max([(2, [(1.0, 0.5), (2.0, 0.5)])]) == pytest.approx(1.75)
+    p, f, n = 0.1, 4.0, 8
+    m = _model(procs_per_node=4, grad_bytes=0.0, jitter_p=p, jitter_factor=f)
+    ddp = m.predict("ddp", nodes=2)
+    assert ddp.step_s == pytest.approx(0.1 * (1 + f * (1 - (1 - p) ** n)))
+    # The no-communication limit runs each rank at its own mean: T (1 + p f).
+    assert ddp.ideal_samples_per_s == pytest.approx(8 * 10 / (0.1 * (1 + p * f)))
+    # SSP with staleness 0 is the same order statistic; staleness lets ranks catch up over a window.
+    assert m.predict("async_ssp", 2, staleness=0).step_s == pytest.approx(ddp.step_s)
+    paces = [m.predict("async_ssp", 2, staleness=s).step_s for s in (0, 1, 4, 16, 64)]
+    assert paces == sorted(paces, reverse=True)
+    assert paces[-1] >= 0.1 * (1 + p * f) - 1e-12
+
+
+@pytest.mark.timeout(10)
+def test_hier_sync_beats_ddp_on_a_slow_link_only():
+    lm = _model(compute_s_per_sample=1 / 23.5, batch_size=16, grad_bytes=12.97e6, intra_link=(5e-5, 231e6),
+                inter_link=(5e-5, 12.5e6))  # fmt: skip
+    assert lm.predict("hier_sync", 2).samples_per_s > 2 * lm.predict("ddp", 2).samples_per_s
+    fast = _model(compute_s_per_sample=1 / 23.5, batch_size=16, grad_bytes=12.97e6, intra_link=(5e-6, 50e9),
+                  inter_link=(5e-6, 50e9))  # fmt: skip
+    assert fast.predict("hier_sync", 2).samples_per_s < 1.01 * fast.predict("ddp", 2).samples_per_s
+
+
+@pytest.mark.timeout(10)
+def test_async_absorbs_jitter_and_asp_runs_at_own_rates():
+    m = _model(procs_per_node=4, grad_bytes=1e4, inter_link=FAST, jitter_p=0.1, jitter_factor=4.0)
+    ddp = m.predict("ddp", 2).efficiency
+    assert m.predict("async_ssp", 2, staleness=8).efficiency > ddp + 0.2
+    assert m.predict("async_asp", 2).efficiency == pytest.approx(1.0, abs=1e-3)
+    # Adaptive batches do not help against pauses.
+    assert m.predict("ddp_adaptive_batch", 2).efficiency == pytest.approx(ddp, rel=1e-6)
+
+
+@pytest.mark.timeout(10)
+def test_adaptive_batch_handles_a_persistent_straggler():
+    m = ScalingModel([0.01, 0.01, 0.01, 0.015], 10, 0.0, procs_per_node=4, intra_link=FAST, inter_link=FAST)
+    ddp, adaptive = m.predict("ddp", 1), m.predict("ddp_adaptive_batch", 1)
+    # 4 x the slowest rate over the sum of the rates: 4 / 1.5 / (3 + 1 / 1.5)
+    assert ddp.efficiency == pytest.approx(4 / 1.5 / (3 + 1 / 1.5))
+    assert adaptive.efficiency == pytest.approx(1.0)
+    # SSP is paced by the persistent straggler; ASP is not.
+    assert m.predict("async_ssp", 1, staleness=4).efficiency == pytest.approx(ddp.efficiency)
+    assert m.predict("async_asp", 1).efficiency == pytest.approx(1.0)
+    # The list tiles over larger worlds: a quarter of the ranks stay slow.
+    assert m.predict("ddp", 64).efficiency == pytest.approx(ddp.efficiency)
+    single = ScalingModel(0.01, 10, 0.0, 4, FAST, FAST, straggler_fraction=0.25, straggler_factor=1.5)
+    assert single.predict("ddp", 16).efficiency == pytest.approx(ddp.efficiency)
+
+
+@pytest.mark.timeout(10)
+def test_a_million_nodes_is_cheap():
+    m = ScalingModel([0.01, 0.012, 0.01], batch_size=8, grad_bytes=1e8, procs_per_node=8, jitter_p=0.05,
+                     jitter_factor=2.0, inter_link=(2e-5, 1.25e9))  # fmt: skip
+    start = time.perf_counter()
+    preds = m.table(["ddp", "hier_sync", "async_ssp", "ddp_adaptive_batch", "auto_sync"], [1, 1_000_000])
+    assert time.perf_counter() - start < 2
+    assert all(math.isfinite(p.samples_per_s) and 0 < p.efficiency <= 1 + 1e-9 for p in preds)
+
+
+@pytest.mark.timeout(30)
+def test_calibration_recovers_parameters_and_reports_errors():
+    truth = {**DEFAULT_PARAMS, "overlap": 0.3, "unlimited_bytes_per_s": 10**8.5}
+    base = dict(ideal_per_rank_samples_per_s=[24.0] * 4, batch_size=16, grad_bytes=13e6, nodes=2, procs_per_node=2,
+                jitter=None, settings={})  # fmt: skip
+    records = []
+    for scenario, link in (("slow_link", 100.0), ("homogeneous", None)):
+        for strategy in ("ddp", "ddp_powersgd"):
+            rec = {**base, "scenario": scenario, "strategy": strategy, "model_strategy": strategy, "link_mbit": link}
+            rec["samples_per_s"] = ScalingModel._predict_record(rec, truth)
+            records.append(rec)
+    fitted = ScalingModel.calibrate(records)
+    errors = ScalingModel.prediction_error(records, fitted)
+    assert len(errors) == 4 and max(abs(e["rel_error"]) for e in errors) < 0.01
+    assert fitted["overlap"] == pytest.approx(0.3)
+    default = ScalingModel.prediction_error(records)
+    assert max(abs(e["rel_error"]) for e in default) > 0.05
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"compute_s_per_sample": 0.0}, "compute_s_per_sample"),
+        ({"compute_s_per_sample": []}, "compute_s_per_sample"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"grad_bytes": -1.0}, "grad_bytes"),
+        ({"procs_per_node": 0}, "procs_per_node"),
+        ({"inter_link": (0.0, 0.0)}, "inter_link"),
+        ({"jitter_p": 1.5}, "jitter_p"),
+        ({"straggler_factor": 0.5}, "straggler_factor"),
+        ({"overlap": 2.0}, "overlap"),
+        ({"compute_s_per_sample": [0.01, 0.02], "straggler_fraction": 0.5}, "straggler_fraction"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_setting(kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        _model(**kwargs)
+    assert "HINT" in str(err.value) or "must be" in str(err.value)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "strategy, nodes, settings, message",
+    [
+        ("hier_sink", 2, {}, "unknown strategy"),
+        ("ddp", 0, {}, "nodes"),
+        ("ddp", 2, {"inter_period": 4}, "no setting"),
+        ("hier_sync", 2, {"inter_period": 0}, "inter_period"),
+        ("async_ssp", 2, {"staleness": -1}, "staleness"),
+        ("ddp", 2, {"compression": "zip"}, "compression"),
+    ],
+)
+def test_bad_predict_arguments_name_the_setting(strategy, nodes, settings, message):
+    with pytest.raises(ValueError, match=message):
+        _model().predict(strategy, nodes, **settings)
