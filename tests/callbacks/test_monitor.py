@@ -117,3 +117,18 @@ def test_optimizer_state_bytes_counts_the_moments_and_unwraps_wrappers():
             self.optimizer = inner
 
     assert _optimizer_state_bytes(Wrapper(Wrapper(opt))) == 2 * 105 * 4
+
+
+def test_summary_printout_lists_policy_events(capsys):
+    from lightning_syncasync.callbacks.monitor import _print_summary
+
+    rank = {"rank": 0, "steps": 10, "samples_per_s": 5.0, "compute_s_per_step": 0.1, "wait_s_per_step": 0.01,
+            "wait_frac": 0.1, "bytes_intra_per_step": 0, "bytes_inter_per_step": 0, "staleness_mean": 0.0,
+            "staleness_max": 0}  # fmt: skip
+    summary = {**rank, "strategy": "AutoSyncStrategy", "mode": "hier", "world_size": 1, "num_nodes": 1,
+               "ranks": [rank], "global_samples_per_s": 5.0,
+               "events": [{"kind": "switch", "step": 4, "train_s": 1.5, "mode": "sync", "next": "hier",
+                           "reason": "communication 71% >= 35% of the step: hierarchical sync"}]}  # fmt: skip
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "step 4 (1.5 s): switch: mode=sync; next=hier; reason=communication 71% >= 35%" in out
