@@ -1,0 +1,204 @@
+"""syncasync-advise: the decision on synthetic measurements, the CLI end to end on 2 gloo processes, simulation,
+calibration on a small bench file, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_syncasync.advise.__main__ import main
+from lightning_syncasync.advise.report import CANDIDATES, Measurements, Thresholds, recommend, simulate
+from lightning_syncasync.emulate.cluster import free_port
+
+ADVISE = [sys.executable, "-m", "lightning_syncasync.advise"]
+LM_BYTES = 12.97e6
+
+
+def _meas(steps=(0.68, 0.68, 0.68, 0.68), cv=0.03, pause=(0.0, 0.0), grad=LM_BYTES, intra=231e6, inter=231e6):
+    n = len(steps)
+    return Measurements(
+        world_size=n, nodes=2, procs_per_node=n // 2, batch_size=16, grad_bytes=grad, median_step_s=list(steps),
+        step_cv=[cv] * n, pause_p=[pause[0]] * n, pause_f=[pause[1]] * n, intra_alpha_s=5e-5,
+        intra_bytes_per_s=intra, inter_alpha_s=5e-5, inter_bytes_per_s=inter,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_compute_bound_and_homogeneous_keeps_ddp():
+    rec = recommend(_meas(grad=0.3e6, intra=5e9, inter=5e9))
+    assert rec.strategy == "ddp"
+    assert rec.regime == {"persistent_straggler": False, "jitter": False, "comm_bound": False, "hierarchy": False}
+    assert rec.flow[-1].startswith("`- recommendation: ddp")
+    assert "strategy=ddp trainer.num_nodes=2 trainer.devices=2" in rec.hydra
+    assert rec.cli.startswith("syncasync-cli fit --trainer.strategy=ddp")
+
+
+@pytest.mark.timeout(10)
+def test_slow_inter_node_link_recommends_hier_sync():
+    rec = recommend(_meas(inter=12.5e6))
+    assert rec.regime["comm_bound"] and rec.regime["hierarchy"]
+    # hier_sync and PowerSGD both hide the slow link here; the model picks the faster by a few percent.
+    assert rec.strategy in ("hier_sync", "hier_sync_int8", "ddp_powersgd")
+    assert rec.predictions["hier_sync"].samples_per_s > 2 * rec.predictions["ddp"].samples_per_s
+    rec = recommend(_meas(inter=12.5e6), available=[s for s in CANDIDATES if s != "ddp_powersgd"])
+    assert rec.strategy.startswith("hier_sync")
+    assert "strategy=hier_sync strategy.inter_period=" in rec.hydra
+    assert "--trainer.strategy=lightning_syncasync.strategies.hier_sync.HierSyncStrategy" in rec.cli
+    assert any("communication-bound?" in line and "-> yes" in line for line in rec.flow)
+
+
+@pytest.mark.timeout(10)
+def test_persistent_straggler_recommends_adaptive_batches():
+    rec = recommend(_meas(steps=(0.5, 0.5, 0.5, 0.75), grad=0.3e6, intra=5e9, inter=5e9))
+    assert rec.regime["persistent_straggler"] and not rec.regime["jitter"]
+    assert rec.strategy == "ddp_adaptive_batch"
+    assert "strategy=ddp +callbacks@callbacks.adaptive_batch=adaptive_batch" in rec.hydra
+    assert "--trainer.callbacks+=AdaptiveBatchSize" in rec.cli
+    assert "1.50" in rec.flow[0]  # the measured ratio is printed at its branch
+
+
+@pytest.mark.timeout(10)
+def test_jitter_recommends_async_ssp():
+    rec = recommend(_meas(pause=(0.1, 4.0), grad=0.3e6, intra=5e9, inter=5e9), available=CANDIDATES[:-1])
+    assert rec.regime["jitter"] and not rec.regime["persistent_straggler"]
+    assert rec.strategy == "async_ssp"
+    assert "strategy=async_ssp strategy.staleness=" in rec.hydra
+    assert "auto_sync" not in rec.allowed
+
+
+@pytest.mark.timeout(10)
+def test_a_small_gain_keeps_ddp_and_measurements_are_validated():
+    # Slightly comm-bound: compression would be allowed but must beat DDP by min_gain.
+    rec = recommend(_meas(grad=0.3e6, intra=1e9, inter=1e9), Thresholds(comm_fraction=0.0, min_gain=10.0))
+    assert rec.strategy == "ddp"
+    with pytest.raises(ValueError, match="procs_per_node"):
+        Measurements(world_size=3, nodes=2, procs_per_node=2, batch_size=1, grad_bytes=1, median_step_s=[1] * 3,
+                     step_cv=[0] * 3, pause_p=[0] * 3, pause_f=[0] * 3)  # fmt: skip
+    with pytest.raises(ValueError, match="straggler_ratio"):
+        Thresholds(straggler_ratio=0.5)
+
+
+@pytest.mark.timeout(10)
+def test_simulation_keeps_the_measured_shape():
+    preds = simulate(_meas(inter=12.5e6), [8, 64, 512])
+    assert {(p.nodes, p.ranks) for p in preds} == {(8, 16), (64, 128), (512, 1024)}
+    by = {(p.strategy, p.nodes): p for p in preds}
+    assert by[("hier_sync", 512)].samples_per_s > by[("ddp", 512)].samples_per_s
+    assert by[("ddp", 512)].efficiency < by[("ddp", 8)].efficiency
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(60)
+def test_two_gloo_processes_end_to_end(tmp_path):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")  # fmt: skip
+    args = ["--seconds", "1", "--json", str(tmp_path / "advise.json"), "--simulate-nodes", "4,64",
+            "--plot", str(tmp_path / "scaling.png"), "--", "data.batch_size=32"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [*ADVISE, *args],
+            env={**env, "RANK": str(r), "NODE_RANK": str(r), "GROUP_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=50)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    out = outs[0]
+    assert "2 rank(s) = 2 node(s) x 1 (gloo)" in out
+    assert "inter-node link: alpha" in out and "(measured)" in out
+    for branch in ("decision flow", "|- ranks alike? straggler ratio", "|- transient pauses?",
+                   "|- communication-bound?", "`- recommendation:"):  # fmt: skip
+        assert branch in out, branch
+    assert "recommended: " in out and "Hydra: syncasync-train data=digits" in out and "data.batch_size=32" in out
+    assert "CLI:   syncasync-cli fit --trainer.strategy=" in out
+    assert "64 nodes" in out and (tmp_path / "scaling.png").stat().st_size > 0
+    assert "decision flow" not in outs[1]  # rank 1 measures, rank 0 reports
+    data = json.loads((tmp_path / "advise.json").read_text())
+    m = data["measurements"]
+    assert (m["world_size"], m["nodes"], m["batch_size"]) == (2, 2, 32)
+    assert m["grad_bytes"] == 4 * m["params"] > 0 and m["inter_bytes_per_s"] > 0 and m["flat_all_reduce_s"] > 0
+    assert len(m["median_step_s"]) == 2 and min(m["median_step_s"]) > 0
+    rec = data["recommendation"]
+    assert rec["strategy"] in CANDIDATES and set(rec["predictions"]) == set(CANDIDATES)
+    assert {p["nodes"] for p in data["simulation"]} == {4, 64}
+
+
+@pytest.mark.timeout(60)
+def test_single_process_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run([*ADVISE, "--seconds", "0.5", "--", "data.batch_size=16"], env=env, capture_output=True,
+                          text=True, timeout=50, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WORLD_SIZE is not set: running as a single process" in proc.stdout
+    assert "inter-node link assumed 10 Gbit/s" in proc.stdout
+    assert "recommended: ddp" in proc.stdout
+
+
+def _bench_record(scenario, strategy, samples, strategy_cfg, ideal, batch=16):
+    model = {"_target_": "lightning_syncasync.demo.classifier.Classifier", "input_shape": [1, 8, 8], "arch": "mlp",
+             "hidden": 32, "depth": 1}  # fmt: skip
+    config = {"strategy": strategy_cfg, "model": model, "data": {"batch_size": batch}, "callbacks": {}}
+    return {"scenario": scenario, "strategy": strategy, "samples_per_s": samples, "ideal_per_rank_samples_per_s": ideal,
+            "config": config}  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_calibrate_on_a_small_results_file(tmp_path, capsys):
+    ddp = {"_target_": "lightning.pytorch.strategies.ddp.DDPStrategy"}
+    hier = {"_target_": "lightning_syncasync.strategies.hier_sync.HierSyncStrategy", "inter_period": 4, "max_delay": 1,
+            "compression": "none"}  # fmt: skip
+    averager = {"_target_": "lightning_syncasync.strategies.measured_ddp.MeasuredDDPStrategy", "local_sgd": "x"}
+    records = [
+        _bench_record("slow_link", "ddp", 80.0, ddp, [24.0] * 4),
+        _bench_record("slow_link", "hier_sync", 90.0, hier, [24.0] * 4),
+        _bench_record("straggler", "ddp", 600.0, ddp, [240.0, 240.0, 240.0, 160.0], batch=128),
+        _bench_record("slow_link", "ddp_hier_averager", 50.0, averager, [24.0] * 4),
+    ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(records))
+    assert main(["--calibrate", str(path), "--json", str(tmp_path / "cal.json")]) == 0
+    out = capsys.readouterr().out
+    assert "3 records from 1 file(s)" in out
+    for row in ("slow_link         ddp", "slow_link         hier_sync", "straggler         ddp"):
+        assert row in out
+    assert "mean |relative error|" in out and "calibrated: overlap=" in out
+    assert "not modelled: slow_link/ddp_hier_averager" in out
+    cal = json.loads((tmp_path / "cal.json").read_text())
+    assert {e["strategy"] for e in cal["errors"]} == {"ddp", "hier_sync"}
+    assert all(e["measured_samples_per_s"] > 0 and "rel_error" in e for e in cal["errors"])
+    assert set(cal["params"]) >= {"overlap", "collective_overhead_s", "unlimited_bytes_per_s"}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--simulate-nodes", "0,8"], "--simulate-nodes [0] out of range"),
+        (["--simulate-nodes", "2000000"], "node counts in [1, 1000000]"),
+        (["--simulate-nodes", "8,x"], "not a comma-separated list of integers"),
+        (["--seconds", "0"], "--seconds must be in (0"),
+        (["--strategies", "ddp,hier_sink"], "unknown ['hier_sink']"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_setting_named(args, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_bad_calibration_files_are_rejected(tmp_path, capsys):
+    assert main(["--calibrate", str(tmp_path / "missing.json")]) == 2
+    assert "--calibrate" in capsys.readouterr().err
+    (tmp_path / "obj.json").write_text("{}")
+    assert main(["--calibrate", str(tmp_path / "obj.json")]) == 2
+    assert "not a list of bench records" in capsys.readouterr().err
