@@ -198,6 +198,8 @@ def recommend(
     n = m.nodes
     settings = candidate_settings(model, n, th.settings_tolerance)
     preds = {s: model.predict(s, n, **settings[s]) for s in CANDIDATES}
+    # auto_sync starts in the mode it is predicted to settle in; its switcher moves on from there.
+    settings["auto_sync"] = {"mode": preds["auto_sync"].settings["mode"], **settings["auto_sync"]}
     ddp = preds["ddp"]
     ratio = m.straggler_ratio
     slow = max(range(m.world_size), key=lambda r: m.median_step_s[r])
@@ -290,8 +292,8 @@ def hydra_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
         parts += ["strategy=hier_sync", *(f"strategy.{k}={v}" for k, v in settings.items())]
         if strategy == "hier_sync_int8":
             parts.append("strategy.compression=int8")
-    elif strategy == "async_ssp":
-        parts += ["strategy=async_ssp", *(f"strategy.{k}={v}" for k, v in settings.items())]
+    elif strategy in ("async_ssp", "auto_sync"):
+        parts += [f"strategy={strategy}", *(f"strategy.{k}={v}" for k, v in settings.items())]
     else:
         parts.append(f"strategy={strategy}")
     return " ".join(parts + _shape(m))
@@ -301,6 +303,7 @@ _CLASS = {
     "hier_sync": "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
     "async_ssp": "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
     "ddp_measured": "lightning_syncasync.strategies.measured_ddp.MeasuredDDPStrategy",
+    "auto_sync": "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
 }
 
 
@@ -314,8 +317,8 @@ def cli_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
             f"--trainer.strategy={_CLASS['ddp_measured']}",
             f"--trainer.strategy.init_args.compression={strategy.removeprefix('ddp_')}",
         ]
-    elif strategy.startswith("hier_sync") or strategy == "async_ssp":
-        base = "hier_sync" if strategy.startswith("hier_sync") else "async_ssp"
+    elif strategy.startswith("hier_sync") or strategy in ("async_ssp", "auto_sync"):
+        base = "hier_sync" if strategy.startswith("hier_sync") else strategy
         parts.append(f"--trainer.strategy={_CLASS[base]}")
         parts += [f"--trainer.strategy.init_args.{k}={v}" for k, v in settings.items()]
         if strategy == "hier_sync_int8":

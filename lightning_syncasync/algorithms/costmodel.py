@@ -93,6 +93,8 @@ _SETTINGS: dict[str, frozenset[str]] = {
     "async_ssp": frozenset({"staleness", "compression", "compression_ratio"}),
     "auto_sync": frozenset({"inter_period", "max_delay", "staleness"}),
 }
+# auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
+_AUTO_MODES = {"ddp": "sync", "hier_sync": "hier", "async_ssp": "async"}
 # DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): one collective per bucket.
 _BUCKET_BYTES = 25 * 2**20
 # Free parameters fitted by calibrate(), their defaults (no overhead, nothing hidden) and the grids searched.
@@ -519,7 +521,7 @@ class ScalingModel:
             self.predict("async_ssp", nodes, **({"staleness": opts["staleness"]} if "staleness" in opts else {}))
         )
         best = max(modes, key=lambda p: p.samples_per_s)
-        best.settings = {"mode": best.strategy, **best.settings}
+        best.settings = {"mode": _AUTO_MODES[best.strategy], **best.settings}
         return best
 
     def table(self, strategies: Sequence[str], nodes_list: Sequence[int], **settings: Any) -> list[Prediction]:

@@ -68,6 +68,13 @@ def test_jitter_recommends_async_ssp():
     assert rec.strategy == "async_ssp"
     assert "strategy=async_ssp strategy.staleness=" in rec.hydra
     assert "auto_sync" not in rec.allowed
+    # auto_sync may also use hier mode, which the model lets absorb pauses across nodes (nodes run free within
+    # the delay window): it starts in that mode.
+    rec = recommend(_meas(pause=(0.1, 4.0), grad=0.3e6, intra=5e9, inter=5e9))
+    assert rec.strategy == "auto_sync" and rec.settings["mode"] == "hier"
+    assert rec.predictions["auto_sync"].samples_per_s > rec.predictions["async_ssp"].samples_per_s
+    assert "strategy=auto_sync strategy.mode=hier strategy.inter_period=" in rec.hydra
+    assert "AutoSyncStrategy --trainer.strategy.init_args.mode=hier" in rec.cli
 
 
 @pytest.mark.timeout(10)
