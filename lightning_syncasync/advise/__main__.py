@@ -253,25 +253,25 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ValueError("--calibrate: no record of a modelled strategy; HINT: ddp, hier_sync, async_ssp, "
                          "ddp_adaptive_batch and compressed ddp records are modelled")  # fmt: skip
     params = ScalingModel.calibrate(records)
-    before = {(e["scenario"], e["strategy"]): e for e in ScalingModel.prediction_error(records, DEFAULT_PARAMS)}
+    before = {_key(e): e for e in ScalingModel.prediction_error(records, DEFAULT_PARAMS)}
     after = ScalingModel.prediction_error(records, params)
-    held: dict[tuple[str, str], dict] = {}
+    held: dict[tuple[str, str, str], dict] = {}
     scenarios = sorted({r["scenario"] for r in records})
     if len(scenarios) > 1:
         for s in scenarios:
             fit = ScalingModel.calibrate([r for r in records if r["scenario"] != s])
             for e in ScalingModel.prediction_error([r for r in records if r["scenario"] == s], fit):
-                held[(e["scenario"], e["strategy"])] = e
+                held[_key(e)] = e
     print(f"syncasync-advise --calibrate: {len(records)} records from {len(args.calibrate)} file(s)")
     print(
-        f"{'scenario':<18}{'strategy':<24}{'runs':>5}{'measured':>10}{'default':>10}{'err':>8}"
+        f"{'scenario':<18}{'strategy':<24}{'workload':<22}{'runs':>5}{'measured':>10}{'default':>10}{'err':>8}"
         f"{'calibrated':>12}{'err':>8}{'held-out':>10}{'err':>8}"
     )
-    for e in sorted(after, key=lambda e: (e["scenario"], e["strategy"])):
-        k = (e["scenario"], e["strategy"])
+    for e in sorted(after, key=_key):
+        k = _key(e)
         h = held.get(k)
         print(
-            f"{e['scenario']:<18}{e['strategy']:<24}{e['runs']:>5}{e['measured_samples_per_s']:>10.1f}"
+            f"{e['scenario']:<18}{e['strategy']:<24}{e['workload']:<22}{e['runs']:>5}{e['measured_samples_per_s']:>10.1f}"
             f"{before[k]['predicted_samples_per_s']:>10.1f}{before[k]['rel_error']:>+8.1%}"
             f"{e['predicted_samples_per_s']:>12.1f}{e['rel_error']:>+8.1%}"
             + (f"{h['predicted_samples_per_s']:>10.1f}{h['rel_error']:>+8.1%}" if h else f"{'-':>10}{'-':>8}")
@@ -294,6 +294,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
         print(f"json: {args.json}")
     return 0
+
+
+def _key(e: dict[str, Any]) -> tuple[str, str, str]:
+    return e["scenario"], e["strategy"], e["workload"]
 
 
 def _grad_bytes(model_cfg: dict | None) -> float:

@@ -597,21 +597,24 @@ class ScalingModel:
     def prediction_error(
         cls, records: Sequence[Mapping[str, Any]], params: Mapping[str, float] | None = None
     ) -> list[dict[str, Any]]:
-        """Per (scenario, strategy): median measured and predicted samples/s over repeats, and the relative error
-        ``(predicted - measured) / measured``."""
+        """Per (scenario, strategy, workload): median measured and predicted samples/s over repeats, and the
+        relative error ``(predicted - measured) / measured``. The workload (gradient size, batch) is part of the key:
+        records of one scenario name measured on different workloads are not repeats."""
         p = {**DEFAULT_PARAMS, **(params or {})}
-        by_key: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        by_key: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
         for r in records:
-            key = (str(r["scenario"]), str(r["strategy"]))
+            workload = f"{float(r['grad_bytes']) / 1e6:.2f} MB, batch {int(r['batch_size'])}"
+            key = (str(r["scenario"]), str(r["strategy"]), workload)
             by_key.setdefault(key, []).append((float(r["samples_per_s"]), cls._predict_record(r, p)))
         out = []
-        for (scenario, strategy), pairs in by_key.items():
+        for (scenario, strategy, workload), pairs in by_key.items():
             measured = statistics.median(m for m, _ in pairs)
             predicted = statistics.median(q for _, q in pairs)
             out.append(
                 {
                     "scenario": scenario,
                     "strategy": strategy,
+                    "workload": workload,
                     "runs": len(pairs),
                     "measured_samples_per_s": measured,
                     "predicted_samples_per_s": predicted,

@@ -174,7 +174,7 @@ def test_calibrate_on_a_small_results_file(tmp_path, capsys):
     assert main(["--calibrate", str(path), "--json", str(tmp_path / "cal.json")]) == 0
     out = capsys.readouterr().out
     assert "3 records from 1 file(s)" in out
-    for row in ("slow_link         ddp", "slow_link         hier_sync", "straggler         ddp"):
+    for row in ("slow_link         ddp  ", "slow_link         hier_sync  ", "straggler         ddp  "):
         assert row in out
     assert "mean |relative error|" in out and "calibrated: overlap=" in out
     assert "not modelled: slow_link/ddp_hier_averager" in out
