@@ -151,7 +151,7 @@ class SwitchPolicy:
         self.rebalance = rebalance
         self.spike_factor = spike_factor
         self.cooldown_windows = cooldown_windows
-        self.windows_in_mode = 0
+        self.windows_in_mode = dwell_windows  # the starting mode was not a switch: the first window may switch
         self.recent_losses: list[float] = []  # healthy windows, newest last
         self.banned: dict[str, int] = {}  # mode -> windows left
 

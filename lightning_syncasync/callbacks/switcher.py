@@ -62,7 +62,7 @@ class SyncSwitcher(Callback):
     def __init__(
         self,
         window: int = 10,
-        first_window: int = 4,
+        first_window: int = 3,
         warmup_steps: int = 20,
         dwell_windows: int = 2,
         comm_high: float = 0.35,
@@ -78,7 +78,7 @@ class SyncSwitcher(Callback):
         if window < 2:
             raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
         if first_window < 2:
-            raise ValueError(f"first_window must be >= 2 steps, got {first_window}; HINT: 4 decides after 4 steps")
+            raise ValueError(f"first_window must be >= 2 steps, got {first_window}; HINT: 3 decides after 3 steps")
         self.window = window
         self.first_window = first_window
         self.rebalance = rebalance

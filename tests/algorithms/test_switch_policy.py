@@ -53,8 +53,9 @@ def test_warmup_and_dwell():
     d = p.decide(window(step=40, wait=(0.7,) * 4), "sync")
     assert d.mode == "hier"  # a slow link is left at once: hier's delay is bounded
     p = SwitchPolicy(warmup_steps=0, dwell_windows=3)
-    assert [p.decide(window(cv=(0.9,) * 4), "sync").mode for _ in range(3)] == ["sync", "sync", "async"]
-    assert p.decide(window(), "async").mode == "async"  # dwell again after the switch
+    assert p.decide(window(cv=(0.9,) * 4), "sync").mode == "async"  # the start was not a switch: no dwell
+    assert [p.decide(window(), "async").mode for _ in range(3)] == ["async", "async", "sync"]  # dwell 3 windows
+    p.decide(window(cv=(0.9,) * 4), "sync")
     assert "dwell" in p.decide(window(), "async").reason
 
 
