@@ -53,6 +53,10 @@ class SyncSwitcher(Callback):
         rebalance: run :class:`AdaptiveBatchSize` (added with its defaults if the Trainer has none): a persistent
             straggler is then handled synchronously by rebalancing batches, which measured faster than async.
         rollback: keep the last good state and restore it on divergence.
+        allow_async: let the policy choose ``async`` (jitter, or a persistent straggler without rebalancing). Off by
+            default because on every scenario of the benchmark async_ssp reached the target later than synchronous
+            training with batch rebalancing, or not at all (README, "auto_sync" measurements); turn it on where
+            async is measured to learn well enough (``syncasync-bench`` with ``async_ssp`` on your workload).
 
     Example::
 
@@ -74,6 +78,7 @@ class SyncSwitcher(Callback):
         cooldown_windows: int = 10,
         rebalance: bool = True,
         rollback: bool = True,
+        allow_async: bool = False,
     ) -> None:
         if window < 2:
             raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
@@ -83,6 +88,7 @@ class SyncSwitcher(Callback):
         self.first_window = first_window
         self.rebalance = rebalance
         self.rollback = rollback
+        self.allow_async = allow_async
         self._policy_args: dict[str, Any] = {
             "warmup_steps": warmup_steps, "dwell_windows": dwell_windows, "comm_high": comm_high,
             "straggler_high": straggler_high, "straggler_low": straggler_low, "jitter_high": jitter_high,
@@ -120,9 +126,8 @@ class SyncSwitcher(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, AutoSyncStrategy)
-        self.policy = SwitchPolicy(
-            available=strategy.available_modes, rebalance=self._rebalancing(trainer), **self._policy_args
-        )
+        available = [m for m in strategy.available_modes if m != "async" or self.allow_async]
+        self.policy = SwitchPolicy(available=available, rebalance=self._rebalancing(trainer), **self._policy_args)
         if self._policy_state is not None:
             self.policy.load_state_dict(self._policy_state)
             self._policy_state = None

@@ -105,7 +105,8 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
     # No batch rebalancing: a persistent straggler then means async. A NaN on rank 0 in async mode is held back,
     # the next window rolls back to the last good state in sync mode, and async stays off for the cooldown.
     switcher = SyncSwitcher(window=3, warmup_steps=3, dwell_windows=1, rebalance=False, straggler_high=1.5,
-                            straggler_low=1.2, jitter_high=5.0, jitter_low=4.0, cooldown_windows=20)  # fmt: skip
+                            straggler_low=1.2, jitter_high=5.0, jitter_low=4.0, cooldown_windows=20,
+                            allow_async=True)  # fmt: skip
     model = NaNInAsyncModel(slow_rank=1, delay=0.1, after=2)
     ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="spawn"), model, steps=15, callbacks=[switcher],
                           val=True)  # fmt: skip
