@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbit", type=_positive("--inter-gbit"), default=10.0, help="assumed when not measured (10)")
     p.add_argument("--latency-us", type=_positive("--latency-us"), default=20.0, help="assumed when not measured")
     p.add_argument("--reps", type=int, default=3, help="timed all-reduces per size and group (3)")
+    p.add_argument(
+        "--allow-async",
+        action="store_true",
+        help="consider async_ssp (off by default: on the benchmark it learned less per sample than sync)",
+    )
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then syncasync-train overrides")
     return p
 
@@ -186,7 +191,7 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     )
     _print_measurements(meas, notes)
     available = [s for s in _available() if args.strategies is None or s in args.strategies or s == "ddp"]
-    rec = recommend(meas, Thresholds(), available, params)
+    rec = recommend(meas, Thresholds(allow_async=args.allow_async), available, params)
     if meas.flat_all_reduce_s:
         model_flat = ScalingModel.ring_all_reduce_s(
             meas.world_size, meas.grad_bytes,

@@ -110,6 +110,9 @@ class Thresholds:
         min_gain: a candidate replaces DDP only when predicted at least this much faster (DDP is the safe default:
             no staleness, no lossy compression).
         settings_tolerance: among a strategy's settings, the least stale within this of the best is chosen.
+        allow_async: let the flow recommend async_ssp. Off by default, like ``SyncSwitcher(allow_async=False)``: on
+            every benchmark scenario async_ssp reached the target later than sync with batch rebalancing, or not at
+            all (its throughput can be higher, but it learned less per sample; the model predicts throughput only).
     """
 
     straggler_ratio: float = 1.25
@@ -119,6 +122,7 @@ class Thresholds:
     bandwidth_ratio: float = 0.5
     min_gain: float = 0.05
     settings_tolerance: float = 0.05
+    allow_async: bool = False
 
     def __post_init__(self) -> None:
         if self.straggler_ratio < 1:
@@ -179,9 +183,9 @@ def best_settings(model: ScalingModel, strategy: str, nodes: int, tolerance: flo
 
 
 def candidate_settings(model: ScalingModel, nodes: int, tolerance: float) -> dict[str, dict[str, Any]]:
-    """Every candidate's settings at ``nodes``; auto_sync switches between the chosen hier_sync and async_ssp."""
+    """Every candidate's settings at ``nodes``; auto_sync's hier mode takes the chosen hier_sync settings."""
     settings = {s: best_settings(model, s, nodes, tolerance) for s in CANDIDATES}
-    settings["auto_sync"] = {**settings["hier_sync"], **settings["async_ssp"]}
+    settings["auto_sync"] = dict(settings["hier_sync"])
     return settings
 
 
@@ -218,16 +222,24 @@ def recommend(
     else:
         flow.append(f"|- ranks alike? {hetero_note} -> homogeneous")
     if persistent:
-        allowed |= {"ddp_adaptive_batch", "async_ssp"}
-        flow.append("|    `- allows ddp_adaptive_batch (shares by speed), async_ssp (no per-step wait)")
+        allowed |= {"ddp_adaptive_batch", "auto_sync"} | ({"async_ssp"} if th.allow_async else set())
+        flow.append(
+            "|    `- allows ddp_adaptive_batch (shares by speed), auto_sync (rebalances in sync mode)"
+            + (", async_ssp (no per-step wait)" if th.allow_async else "")
+        )
     jitter = jp >= th.jitter_p
     flow.append(
         f"|- transient pauses? p = {jp:.3f} per rank-step (threshold {th.jitter_p}), mean pause {jf:.2f}x the step; "
         f"DDP waits {ddp.wait_s * 1e3:.1f} ms/step for the slowest -> {'jitter' if jitter else 'no'}"
     )
     if jitter:
-        allowed |= {"async_ssp", "auto_sync"}
-        flow.append("|    `- allows async_ssp (staleness absorbs pauses), auto_sync")
+        allowed |= {"ddp_adaptive_batch", "auto_sync"} | ({"async_ssp"} if th.allow_async else set())
+        flow.append(
+            "|    `- allows ddp_adaptive_batch, auto_sync"
+            + (", async_ssp (staleness absorbs pauses)" if th.allow_async else "")
+        )
+    if not th.allow_async:
+        flow.append("|- async_ssp left out (--allow-async to consider it): measured to learn less per sample (README)")
     if n == 1:
         bw_text = "n/a (one node)"
     elif bw is None:

@@ -36,8 +36,9 @@ Strategies (``DDP`` = flat synchronous all-reduce every step)::
                 update exchange (an all-reduce every step, in the background) caps the step at its duration.
     compression: the all-reduced (powersgd, fp16) or all-gathered (int8, sign) payload is ``ratio x B``, plus an
                 encode/decode CPU cost per gradient byte (``codec_s_per_byte``; all-gather decodes R-1 payloads).
-    auto_sync:  the best of ddp / hier_sync / async_ssp at their default settings: an upper bound for a switcher
-                that settles in the right mode (switching costs are not modelled).
+    auto_sync:  the best of ddp_adaptive_batch / hier_sync at their default settings (SyncSwitcher's defaults:
+                batch rebalancing on, async off): an upper bound for a switcher that settles in the right mode
+                (switching costs are not modelled).
 
 Efficiency = samples/s over the no-communication limit: every rank at its own mean rate, ``sum_r b / E[X_r]``
 (what ``syncasync-bench`` measures as *ideal*: same ranks, same stragglers, no communication).
@@ -91,10 +92,10 @@ _SETTINGS: dict[str, frozenset[str]] = {
     "ddp_adaptive_batch": frozenset({"compression", "compression_ratio"}),
     "hier_sync": frozenset({"inter_period", "max_delay", "compression", "compression_ratio"}),
     "async_ssp": frozenset({"staleness", "compression", "compression_ratio"}),
-    "auto_sync": frozenset({"inter_period", "max_delay", "staleness"}),
+    "auto_sync": frozenset({"inter_period", "max_delay"}),
 }
 # auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
-_AUTO_MODES = {"ddp": "sync", "hier_sync": "hier", "async_ssp": "async"}
+_AUTO_MODES = {"ddp": "sync", "ddp_adaptive_batch": "sync", "hier_sync": "hier", "async_ssp": "async"}
 # DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): one collective per bucket.
 _BUCKET_BYTES = 25 * 2**20
 # Free parameters fitted by calibrate(), their defaults (no overhead, nothing hidden) and the grids searched.
@@ -514,12 +515,10 @@ class ScalingModel:
         return self._finish(nodes, step, mean_compute, step - pace, pace - mean_compute, ranks * b / step, {})
 
     def _auto_sync(self, nodes: int, opts: dict[str, Any]) -> Prediction:
-        modes = [self.predict("ddp", nodes)]
+        # SyncSwitcher's defaults: its sync mode rebalances batches; async is off unless allow_async.
+        modes = [self.predict("ddp_adaptive_batch", nodes)]
         hier = {k: opts[k] for k in ("inter_period", "max_delay") if k in opts}
         modes.append(self.predict("hier_sync", nodes, **hier))
-        modes.append(
-            self.predict("async_ssp", nodes, **({"staleness": opts["staleness"]} if "staleness" in opts else {}))
-        )
         best = max(modes, key=lambda p: p.samples_per_s)
         best.settings = {"mode": _AUTO_MODES[best.strategy], **best.settings}
         return best

@@ -62,19 +62,17 @@ def test_persistent_straggler_recommends_adaptive_batches():
 
 
 @pytest.mark.timeout(10)
-def test_jitter_recommends_async_ssp():
-    rec = recommend(_meas(pause=(0.1, 4.0), grad=0.3e6, intra=5e9, inter=5e9), available=CANDIDATES[:-1])
+def test_jitter_recommends_async_ssp_only_when_allowed():
+    m = _meas(pause=(0.1, 4.0), grad=0.3e6, intra=5e9, inter=5e9)
+    rec = recommend(m, Thresholds(allow_async=True), available=CANDIDATES[:-1])
     assert rec.regime["jitter"] and not rec.regime["persistent_straggler"]
     assert rec.strategy == "async_ssp"
     assert "strategy=async_ssp strategy.staleness=" in rec.hydra
-    assert "auto_sync" not in rec.allowed
-    # auto_sync may also use hier mode, which the model lets absorb pauses across nodes (nodes run free within
-    # the delay window): it starts in that mode.
-    rec = recommend(_meas(pause=(0.1, 4.0), grad=0.3e6, intra=5e9, inter=5e9))
-    assert rec.strategy == "auto_sync" and rec.settings["mode"] == "hier"
-    assert rec.predictions["auto_sync"].samples_per_s > rec.predictions["async_ssp"].samples_per_s
-    assert "strategy=auto_sync strategy.mode=hier strategy.inter_period=" in rec.hydra
-    assert "AutoSyncStrategy --trainer.strategy.init_args.mode=hier" in rec.cli
+    # By default (like SyncSwitcher) async is left out: on the benchmark it learned less per sample than sync.
+    rec = recommend(m)
+    assert "async_ssp" not in rec.allowed and rec.strategy != "async_ssp"
+    assert any("async_ssp left out" in line for line in rec.flow)
+    assert rec.predictions["auto_sync"].settings["mode"] in ("sync", "hier")
 
 
 @pytest.mark.timeout(10)
