@@ -323,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.calibrate:
             return _calibrate(args)
+        # Overrides that pick their own data or model describe the user's workload (on syncasync-train's defaults,
+        # like the app); others adjust the default workload.
+        own = any(o.lstrip("+~").split("=")[0] in ("data", "model", "experiment") for o in extra)
+        if own and not args.experiment:
+            return _advise(args, list(extra), " ".join(extra))
         overrides, workload = _default_overrides(args.experiment)
         if extra:
             workload += " + " + " ".join(extra)
