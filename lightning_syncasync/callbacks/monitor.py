@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torchmetrics.aggregation import MaxMetric, MeanMetric, SumMetric
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.callbacks._stats_source import stats_recorder
 
@@ -280,6 +281,12 @@ class SyncMonitor(Callback):
             path = Path(self.summary_file)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(self.summary, indent=2))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # After the strategy's teardown dropped its DDP wrapper: the measuring comm hook keeps the wrapper in a
+        # reference cycle, and freed at interpreter exit it aborted the process now and then (algorithms/_comm.py).
+        destroy_groups()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms._flat import copy_flat_
 from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
@@ -212,6 +213,8 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
             self.exchange.close()
             self.exchange = None
         super().teardown()
+        destroy_groups(self._group)
+        self._group = None
 
 
 def ssp_optimizer_step(

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
@@ -392,6 +393,8 @@ class AutoSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
         finally:
             self.averager = self.exchange = None
             super().teardown()
+            destroy_groups(*self._groups.values())
+            self._groups = {}
 
 
 class _ModeState:

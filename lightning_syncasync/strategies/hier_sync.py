@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -200,6 +201,8 @@ class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
             finally:
                 self.averager = None
         super().teardown()
+        destroy_groups(self._node_group, self._avg_node_group, self._cross_group)
+        self._node_group = self._avg_node_group = self._cross_group = None
 
 
 def _unwrap(optimizer: Any) -> Any:

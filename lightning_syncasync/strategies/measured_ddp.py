@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
 from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -114,6 +115,7 @@ class MeasuredDDPStrategy(DDPStrategy):
         self.compression = compression
         self.compression_options = dict(compression_options or {})
         self._compressed: CompressedAllReduce | None = None
+        self._own_groups: list[Any] = []  # destroyed at teardown (see algorithms/_comm.destroy_groups)
         self._restored_compression: dict[str, Any] | None = None
         self.sync_stats = StatsRecorder(mode="sync" if local_sgd is None else "hier")
         self.topology: Topology | None = None
@@ -138,6 +140,7 @@ class MeasuredDDPStrategy(DDPStrategy):
         if self.local_sgd is not None:
             # Node groups must be created on every rank in the same order; new_subgroups_by_enumeration does that.
             node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+            self._own_groups.append(node_group)
             state = PostLocalSGDState(
                 process_group=None,
                 subgroup=node_group,
@@ -154,7 +157,9 @@ class MeasuredDDPStrategy(DDPStrategy):
         if self.compression != "none":
             compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
             # Its own group: the hook's collectives run on a background thread.
-            self._compressed = CompressedAllReduce(compressor, self.sync_stats, flat_scope, dist.new_group())
+            group = dist.new_group()
+            self._own_groups.append(group)
+            self._compressed = CompressedAllReduce(compressor, self.sync_stats, flat_scope, group)
             if self._restored_compression is not None:
                 self._compressed.load_state_dict(self._restored_compression)
                 self._restored_compression = None
@@ -276,3 +281,5 @@ class MeasuredDDPStrategy(DDPStrategy):
             self._compressed.close()
             self._compressed = None
         super().teardown()
+        destroy_groups(*self._own_groups)
+        self._own_groups = []
