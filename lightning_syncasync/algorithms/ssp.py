@@ -152,6 +152,7 @@ class SSPExchange:
         self._thread: threading.Thread | None = None
         self._store = store
         self._hb: threading.Thread | None = None
+        self._hb_stop = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class SSPExchange:
         if self._store is None:
             self._store = dist.PrefixStore("syncasync_ssp", dist.distributed_c10d._get_default_store())
         self._stop = False
+        self._hb_stop.clear()
         self._thread = threading.Thread(target=self._loop, name="syncasync-ssp", daemon=True)
         self._thread.start()
         self._hb = threading.Thread(target=self._heartbeat, name="syncasync-ssp-heartbeat", daemon=True)
@@ -174,6 +176,11 @@ class SSPExchange:
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s)
             self._thread = None
+        # The heartbeat too: left running, a store call of it could be cut by the interpreter's exit (an abort).
+        self._hb_stop.set()
+        if self._hb is not None:
+            self._hb.join(timeout=3 * _HEARTBEAT_S)
+            self._hb = None
 
     # -- the training loop's side ------------------------------------------------------------------------------
 
@@ -356,13 +363,13 @@ class SSPExchange:
 
     def _heartbeat(self) -> None:
         beat = 0
-        while not self._stop:
+        while not self._stop and not self._hb_stop.is_set():
             beat += 1
             try:
                 self._store.set(f"hb{self.global_rank}", str(beat))
             except Exception:  # noqa: BLE001 - the store's host died; the checks below name it
                 return
-            time.sleep(_HEARTBEAT_S)
+            self._hb_stop.wait(_HEARTBEAT_S)
 
     def _silent_ranks(self) -> list[int]:
         """Ranks whose heartbeat did not advance over three heartbeat periods (rank 0 hosts the store)."""
