@@ -46,7 +46,27 @@ class DivergenceError(RuntimeError):
     """The loss became NaN/inf under asynchronous training."""
 
 
-class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
+class LocalReduceWhileAsync:
+    """Strategy mixin: while an ``exchange`` runs, ``reduce`` inside ``training_step`` returns the rank's own value.
+    Ranks are at different steps there, and a collective would put them back in lockstep (module docstring)."""
+
+    exchange: SSPExchange | None
+    _in_training_step: bool = False
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_training_step = True
+        try:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._in_training_step = False
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self._in_training_step and self.exchange is not None:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+
+
+class AsyncSSPStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
     """Asynchronous training with Stale Synchronous Parallel bounded staleness, for any LightningModule.
 
     Args:
@@ -155,21 +175,6 @@ class AsyncSSPStrategy(CheckpointedAlgorithm, DDPStrategy):
         self.exchange.start()
 
     # -- the training step -------------------------------------------------------------------------------------
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._in_training_step = True
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self._in_training_step = False
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # Inside training_step ranks are at different steps: a collective would re-synchronise them (module doc).
-        if self._in_training_step and self.exchange is not None:
-            return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

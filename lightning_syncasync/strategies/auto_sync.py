@@ -54,7 +54,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
-from lightning_syncasync.strategies.async_ssp import ssp_optimizer_step
+from lightning_syncasync.strategies.async_ssp import LocalReduceWhileAsync, ssp_optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ModeUnavailableError(ValueError):
     """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
 
 
-class AutoSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
+class AutoSyncStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
     """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
 
     Args:
@@ -313,21 +313,6 @@ class AutoSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
             dist.broadcast(t, src=0)
 
     # -- the training step ---------------------------------------------------------------------------------------
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._in_training_step = True
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self._in_training_step = False
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # In async mode ranks are at different steps inside training_step: a collective would re-synchronise them.
-        if self._in_training_step and self.exchange is not None:
-            return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
