@@ -142,7 +142,7 @@ class SyncSwitcher(Callback):
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach().float().reshape(-1)[:1].cpu())
+            self._losses.append(loss.detach().float().reshape(-1)[:1])  # on its device: no per-step sync
         pl_module.log("syncasync/mode_id", float(MODES.index(trainer.strategy.mode)), on_step=True, batch_size=1)  # type: ignore[attr-defined]
 
     @override
@@ -187,7 +187,7 @@ class SyncSwitcher(Callback):
         var = sum((x - mean) ** 2 for x in per_sample) / len(per_sample) if per_sample else 0.0
         wall = sum(s.wall_s for s in steps)
         wait = sum(s.wait_s for s in steps)
-        losses = torch.cat(self._losses) if self._losses else torch.empty(0)
+        losses = torch.cat(self._losses).cpu() if self._losses else torch.empty(0)
         self._losses = []
         finite = losses[torch.isfinite(losses)]
         nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None
@@ -200,7 +200,9 @@ class SyncSwitcher(Callback):
         )  # fmt: skip
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
-            rows = trainer.strategy.all_gather(local).cpu().reshape(-1, _FIELDS).tolist()
+            # On the module's device: NCCL gathers CUDA tensors only.
+            device = trainer.strategy.root_device
+            rows = trainer.strategy.all_gather(local.to(device)).cpu().reshape(-1, _FIELDS).tolist()
         walls = [r[4] for r in rows]
         loss_values = [r[5] for r in rows if r[5] == r[5]]
         return WindowStats(
