@@ -232,8 +232,9 @@ class AutoSyncStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy
         self._leave(old)
         self.mode = mode
         self._enter(mode)
-        self.switches.append((self._step if step is None else step, old, mode))
-        log.info("auto_sync: %s -> %s at step %d", old, mode, self._step)
+        at = self._step if step is None else step
+        self.switches.append((at, old, mode))
+        log.info("auto_sync: %s -> %s at step %d", old, mode, at)
         return True
 
     def _leave(self, mode: str) -> None:
