@@ -32,11 +32,11 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms._flat import copy_flat_
-from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 
 log = logging.getLogger(__name__)
@@ -106,20 +106,13 @@ class AsyncSSPStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy
         exchange_every: int = 1,
         **kwargs: Any,
     ) -> None:
-        if staleness is not None and staleness < 0:
-            raise ValueError(f"staleness must be >= 0 or None (ASP), got {staleness}; HINT: 0 is synchronous")
-        if compensation not in COMPENSATIONS:
-            raise ValueError(f"compensation must be one of {COMPENSATIONS}, got {compensation!r}")
-        StaleGradientCompensation(compensation, lam)  # validates lam
-        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
-        if peer_timeout_s <= 0:
-            raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
+        check_async(staleness, compensation, lam)
+        check_common("async_ssp does not all-reduce gradients", compression, compression_options, peer_timeout_s,
+                     kwargs)  # fmt: skip
         if round_interval_s <= 0:
             raise ValueError(f"round_interval_s must be > 0, got {round_interval_s}")
         if exchange_every < 1:
             raise ValueError(f"exchange_every must be >= 1, got {exchange_every}; HINT: 1 exchanges every step")
-        if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
-            raise ValueError("async_ssp does not all-reduce gradients; drop ddp_comm_hook/model_averaging_period")
         super().__init__(**kwargs)
         self.staleness = staleness
         self.compensation = compensation

@@ -46,13 +46,13 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
-from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies.async_ssp import LocalReduceWhileAsync, ssp_optimizer_step
 
@@ -109,18 +109,9 @@ class AutoSyncStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_settings(inter_period, max_delay, "average", 1.0, 0.9)
-        if staleness is not None and staleness < 0:
-            raise ValueError(f"staleness must be >= 0 or None (ASP), got {staleness}; HINT: 0 is synchronous")
-        if compensation not in COMPENSATIONS:
-            raise ValueError(f"compensation must be one of {COMPENSATIONS}, got {compensation!r}")
-        StaleGradientCompensation(compensation, lam)  # validates lam
-        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
-        if node_size is not None and node_size < 1:
-            raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
-        if peer_timeout_s <= 0:
-            raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
-        if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
-            raise ValueError("auto_sync registers its own comm hook; drop ddp_comm_hook/model_averaging_period")
+        check_async(staleness, compensation, lam)
+        check_common("auto_sync registers its own comm hook", compression, compression_options, peer_timeout_s, kwargs)
+        check_node_size(node_size)
         super().__init__(**kwargs)
         self.mode: str = mode
         self.switcher = switcher

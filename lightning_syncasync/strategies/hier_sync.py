@@ -32,6 +32,7 @@ from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 
 log = logging.getLogger(__name__)
@@ -81,14 +82,9 @@ class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
-        if peer_timeout_s <= 0:
-            raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
-        # Build one now so that bad compression_options fail at construction, not in every process later.
-        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
-        if node_size is not None and node_size < 1:
-            raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
-        if kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period"):
-            raise ValueError("hier_sync does its own cross-node averaging; drop ddp_comm_hook/model_averaging_period")
+        check_common("hier_sync does its own cross-node averaging", compression, compression_options, peer_timeout_s,
+                     kwargs)  # fmt: skip
+        check_node_size(node_size)
         super().__init__(**kwargs)
         self.inter_period = inter_period
         self.max_delay = max_delay
