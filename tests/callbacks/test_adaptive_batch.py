@@ -91,7 +91,10 @@ def test_a_slow_rank_gets_a_smaller_batch_and_the_decision_is_logged_and_checkpo
     assert events[0]["predicted_speedup"] > 1.05
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
         logged = [float(r["syncasync/batch_size"]) for r in csv.DictReader(f) if r.get("syncasync/batch_size")]
-    assert logged[0] == 16 and logged[-1] == final[0], logged  # rank 0 logs its own share
+    # Rank 0 logs its own share. A split is scheduled past the batches already prefetched, so the last decision
+    # may land after the last logged step: the last logged share is one of the decided ones, and the fast rank's.
+    decided = {e["sizes"][0] for e in events}
+    assert logged[0] == 16 and logged[-1] in decided and logged[-1] > 16, (logged, events)
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
     saved = next(v for k, v in state.items() if k.startswith("AdaptiveBatchSize"))
     assert saved["sizes"] == final and saved["global_batch"] == 32

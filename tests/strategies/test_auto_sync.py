@@ -108,7 +108,7 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
                             straggler_low=1.2, jitter_high=5.0, jitter_low=4.0, cooldown_windows=20,
                             allow_async=True)  # fmt: skip
     model = NaNInAsyncModel(slow_rank=1, delay=0.1, after=2)
-    ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="spawn"), model, steps=15, callbacks=[switcher],
+    ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="spawn"), model, steps=21, callbacks=[switcher],
                           val=True)  # fmt: skip
     kinds = [(e["kind"], e["mode"], e["next"]) for e in summary["events"]]
     assert ("switch", "sync", "async") in kinds
@@ -117,7 +117,8 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
     assert "non-finite" in rollback["reason"] and "restored the last good state" in rollback["reason"]
     after = [d for d in ranks[0]["decisions"] if d["step"] > rollback["step"]]
     assert after and all(d["next"] == "sync" for d in after)  # async is off after it diverged
-    assert any("diverged recently" in d["reason"] for d in after)
+    # At least one later window saw the straggler again and named the ban as the reason to stay synchronous.
+    assert any("diverged recently" in d["reason"] for d in after), ranks[0]["decisions"]
     for r in ranks:
         assert torch.isfinite(r["final"]).all()
         torch.testing.assert_close(r["final"], ranks[0]["final"], rtol=0, atol=0)
