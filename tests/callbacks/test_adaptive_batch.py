@@ -29,18 +29,18 @@ def _trainer(tmp_path: Path, **kwargs) -> Trainer:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp_spawn", "hier_sync_spawn", "ddp_spawn_accumulate"])
+@pytest.mark.parametrize("strategy", ["ddp_fork", "hier_sync_spawn", "ddp_fork_accumulate"])
 def test_unequal_batches_give_the_single_process_update_on_the_same_32_samples(tmp_path, strategy):
     torch.manual_seed(0)
     model = TinyModel()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     accumulate = 2 if strategy.endswith("accumulate") else 1
-    if strategy.startswith("ddp_spawn"):
-        chosen, sizes = "ddp_spawn", [3, 5, 8, 16]
+    if strategy.startswith("ddp_fork"):
+        chosen, sizes = "ddp_fork", [3, 5, 8, 16]
     else:  # two virtual nodes of two ranks, averaged every step without delay: must equal flat DDP
         from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
 
-        chosen = HierSyncStrategy(node_size=2, inter_period=1, max_delay=0, start_method="spawn")
+        chosen = HierSyncStrategy(node_size=2, inter_period=1, max_delay=0, start_method="fork")
         sizes = [3, 13, 8, 8]  # each node keeps 16 of the 32
     adaptive = AdaptiveBatchSize(global_batch=32, sizes=sizes, adapt=False)
     trainer = _trainer(
@@ -68,7 +68,7 @@ def test_a_slow_rank_gets_a_smaller_batch_and_the_decision_is_logged_and_checkpo
     adaptive = AdaptiveBatchSize(interval=4, warmup_steps=2)
     trainer = _trainer(
         tmp_path,
-        strategy="ddp_spawn",
+        strategy="ddp_fork",
         devices=2,
         max_steps=24,
         logger=CSVLogger(tmp_path, name="csv", version=0),
@@ -103,7 +103,7 @@ def test_a_slow_rank_gets_a_smaller_batch_and_the_decision_is_logged_and_checkpo
     resumed = AdaptiveBatchSize(adapt=False)
     trainer = _trainer(
         tmp_path,
-        strategy="ddp_spawn",
+        strategy="ddp_fork",
         devices=2,
         max_steps=28,
         logger=CSVLogger(tmp_path, name="csv", version=1),
@@ -179,7 +179,7 @@ def test_grow_batch_follows_the_noise_scale_and_applies_the_adascale_gain(tmp_pa
     summary_file = tmp_path / "summary.json"
     trainer = _trainer(
         tmp_path,
-        strategy="ddp_spawn",
+        strategy="ddp_fork",
         devices=2,
         max_steps=40,
         callbacks=[

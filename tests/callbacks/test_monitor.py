@@ -33,8 +33,8 @@ def _fit(tmp_path: Path, **trainer_kwargs) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_ddp_spawn_reports_bytes_and_wait_per_step(tmp_path):
-    summary = _fit(tmp_path, strategy="ddp_spawn", devices=2, enable_progress_bar=False)
+def test_ddp_fork_reports_bytes_and_wait_per_step(tmp_path):
+    summary = _fit(tmp_path, strategy="ddp_fork", devices=2, enable_progress_bar=False)
     assert summary["world_size"] == 2 and summary["mode"] == "sync" and len(summary["ranks"]) == 2
     for rank in summary["ranks"]:
         assert rank["steps"] == 10, summary

@@ -67,8 +67,8 @@ def _fit(out: Path, strategy, model=None, devices=2, steps=8, ckpt_path=None, ca
 
 @pytest.mark.timeout(300)
 def test_staleness_zero_with_sgd_tracks_ddp(tmp_path):
-    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"))
-    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, compensation="none", start_method="spawn"))
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
+    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, compensation="none", start_method="fork"))
     for r in range(2):
         assert ssp[r]["gaps"] == [0] * 8  # lockstep: nobody ever starts a step ahead of the others
         # Each step reads at least every update up to the previous step (DDP's weights); SSP lets a read also hold
@@ -87,7 +87,7 @@ def test_staleness_zero_with_sgd_tracks_ddp(tmp_path):
 @pytest.mark.timeout(300)
 def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
     s = 2
-    res, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=s, start_method="spawn"),
+    res, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=s, start_method="fork"),
                         TinyLoggingModel(slow_rank=2, delay=0.25), devices=3, steps=12, val=True)  # fmt: skip
     for r in res:
         assert len(r["steps"]) == 12 and max(r["gaps"]) <= s  # never past the bound
@@ -105,7 +105,7 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_resume_restores_the_merged_model_and_the_clocks(tmp_path):
-    make = lambda: AsyncSSPStrategy(staleness=1, start_method="spawn")  # noqa: E731
+    make = lambda: AsyncSSPStrategy(staleness=1, start_method="fork")  # noqa: E731
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
     _fit(tmp_path / "full", make(), steps=12, callbacks=[ckpt])
     path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
@@ -123,7 +123,7 @@ def test_resume_restores_the_merged_model_and_the_clocks(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path):
     with pytest.raises(Exception, match="loss is nan at clock 2"):
-        _fit(tmp_path / "nan", AsyncSSPStrategy(staleness=None, start_method="spawn"), NaNAfterModel())
+        _fit(tmp_path / "nan", AsyncSSPStrategy(staleness=None, start_method="fork"), NaNAfterModel())
 
 
 @pytest.mark.parametrize(

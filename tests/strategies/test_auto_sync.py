@@ -75,7 +75,7 @@ def test_random_switches_under_a_straggler_lose_no_update(tmp_path):
     # 4 processes as 2 virtual nodes, rank 3 a persistent straggler, the mode redrawn at random step boundaries.
     steps = 24
     strategy = AutoSyncStrategy(switcher=False, node_size=2, compensation="none", max_delay=1, inter_period=2,
-                                staleness=2, start_method="spawn")  # fmt: skip
+                                staleness=2, start_method="fork")  # fmt: skip
     ranks, summary = _fit(tmp_path, strategy, ConstantGradModel(slow_rank=3), devices=4, steps=steps,
                           callbacks=[RandomSwitches(seed=8, modes=("sync", "hier", "async"))])  # fmt: skip
     seen = ranks[0]["seen"]
@@ -92,9 +92,9 @@ def test_random_switches_under_a_straggler_lose_no_update(tmp_path):
 @pytest.mark.timeout(240)
 def test_sync_mode_equals_ddp(tmp_path):
     torch.manual_seed(0)
-    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"), TinyModel())
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"), TinyModel())
     torch.manual_seed(0)
-    auto, summary = _fit(tmp_path / "auto", AutoSyncStrategy(switcher=False, start_method="spawn"), TinyModel())
+    auto, summary = _fit(tmp_path / "auto", AutoSyncStrategy(switcher=False, start_method="fork"), TinyModel())
     for r in range(2):
         torch.testing.assert_close(auto[r]["final"], ddp[0]["final"], rtol=0, atol=1e-6)
     assert summary["mode"] == "sync" and summary["ranks"][0]["bytes_intra_per_step"] > 0
@@ -108,7 +108,7 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
                             straggler_low=1.2, jitter_high=5.0, jitter_low=4.0, cooldown_windows=20,
                             allow_async=True)  # fmt: skip
     model = NaNInAsyncModel(slow_rank=1, delay=0.1, after=2)
-    ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="spawn"), model, steps=21, callbacks=[switcher],
+    ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="fork"), model, steps=21, callbacks=[switcher],
                           val=True)  # fmt: skip
     kinds = [(e["kind"], e["mode"], e["next"]) for e in summary["events"]]
     assert ("switch", "sync", "async") in kinds
@@ -128,11 +128,11 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
 @pytest.mark.timeout(240)
 def test_resume_continues_in_the_saved_mode(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    strategy = AutoSyncStrategy(switcher=False, compensation="none", start_method="spawn")
+    strategy = AutoSyncStrategy(switcher=False, compensation="none", start_method="fork")
     _fit(tmp_path / "a", strategy, ConstantGradModel(slow_rank=1), steps=4, callbacks=[ToAsync(), ckpt])
     path = next((tmp_path / "ckpt").glob("*.ckpt"))
     assert torch.load(path, weights_only=False)["auto_sync"]["mode"] == "async"
-    strategy = AutoSyncStrategy(switcher=False, compensation="none", start_method="spawn")
+    strategy = AutoSyncStrategy(switcher=False, compensation="none", start_method="fork")
     ranks, summary = _fit(tmp_path / "b", strategy, ConstantGradModel(slow_rank=1), steps=8, ckpt_path=str(path))
     assert summary["mode"] == "async" and ranks[0]["mode"] == "async"
     want = torch.full((16,), -ConstantGradModel.lr * 8 * 1.5)

@@ -45,10 +45,10 @@ def _fit(out: Path, strategy, steps: int = 8, ckpt_path: str | None = None, call
 
 @pytest.mark.timeout(300)
 def test_compressed_ddp_tracks_ddp_keeps_ranks_identical_and_sends_fewer_bytes(tmp_path):
-    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"))
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
     # int8 on this 706-parameter model: 3 chunks of 256 (the last one padded) and 3 scales = 27.6% of fp32.
     for method, ratio, tol in (("fp16", 0.5, 1e-3), ("int8", 0.28, 2e-2)):
-        comp, summary = _fit(tmp_path / method, MeasuredDDPStrategy(compression=method, start_method="spawn"))
+        comp, summary = _fit(tmp_path / method, MeasuredDDPStrategy(compression=method, start_method="fork"))
         for got0, got1, want in zip(comp[0], comp[1], ddp[0], strict=True):
             torch.testing.assert_close(got0, got1)  # the same mean on every rank: replicas never drift
             assert (got0 - want).norm() <= tol * want.norm()
@@ -61,7 +61,7 @@ def test_compressed_ddp_tracks_ddp_keeps_ranks_identical_and_sends_fewer_bytes(t
 @pytest.mark.parametrize("method", ["int8", "powersgd"])
 def test_resume_restores_every_ranks_residuals(tmp_path, method):
     options = {"rank": 2} if method == "powersgd" else {"rounding": "stochastic"}
-    make = lambda: MeasuredDDPStrategy(compression=method, compression_options=options, start_method="spawn")  # noqa: E731
+    make = lambda: MeasuredDDPStrategy(compression=method, compression_options=options, start_method="fork")  # noqa: E731
     # 2 ranks x 8 batches per epoch: the checkpoint at step 8 is an epoch end, where Lightning resumes the data exactly.
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
     full, _ = _fit(tmp_path / "full", make(), steps=12, callbacks=[ckpt])
@@ -96,7 +96,7 @@ def test_onebit_adam_under_ddp_measured_stops_gradient_traffic_after_warmup(tmp_
     out = tmp_path / "onebit"
     out.mkdir()
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=MeasuredDDPStrategy(start_method="spawn"), max_steps=8, logger=False,
+        accelerator="cpu", devices=2, strategy=MeasuredDDPStrategy(start_method="fork"), max_steps=8, logger=False,
         callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), RecordParams(str(out))],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip

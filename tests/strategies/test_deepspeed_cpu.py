@@ -35,7 +35,7 @@ def test_zero2_bf16_trains_on_two_cpu_processes_and_resumes_from_its_checkpoint(
     model = TinyModel()
     before = [p.detach().clone() for p in model.parameters()]
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    trainer = _trainer(tmp_path, DeepSpeedCPUStrategy(stage=2, start_method="spawn"), "bf16-mixed", 4, [ckpt])
+    trainer = _trainer(tmp_path, DeepSpeedCPUStrategy(stage=2, start_method="fork"), "bf16-mixed", 4, [ckpt])
     trainer.fit(model)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "nothing trained"
     last = tmp_path / "ckpt" / "last.ckpt"
@@ -43,7 +43,7 @@ def test_zero2_bf16_trains_on_two_cpu_processes_and_resumes_from_its_checkpoint(
     assert _saved(last)["global_step"] == 4
     # Resume: the run continues from step 4 (optimizer state, ZeRO shards and loop progress restored) to step 6.
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    resumed = _trainer(tmp_path, DeepSpeedCPUStrategy(stage=2, start_method="spawn"), "bf16-mixed", 6, [again])
+    resumed = _trainer(tmp_path, DeepSpeedCPUStrategy(stage=2, start_method="fork"), "bf16-mixed", 6, [again])
     resumed.fit(TinyModel(), ckpt_path=str(last))
     # Only steps 5 and 6 ran: a restart from scratch would have saved steps 1-6.
     assert sorted(p.name for p in (tmp_path / "ckpt2").iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
@@ -58,7 +58,7 @@ def _saved(checkpoint_dir):
 
 @pytest.mark.timeout(300)
 def test_zero3_with_offload_trains_on_two_cpu_processes(tmp_path):
-    strategy = DeepSpeedCPUStrategy(stage=3, offload_optimizer=True, offload_parameters=True, start_method="spawn")
+    strategy = DeepSpeedCPUStrategy(stage=3, offload_optimizer=True, offload_parameters=True, start_method="fork")
     trainer = _trainer(tmp_path, strategy, "bf16-mixed", 3)
     trainer.fit(TinyModel())
     assert trainer.state.finished
@@ -89,4 +89,4 @@ def test_fp16_on_cpu_is_refused_when_the_trainer_is_built(tmp_path):
     if get_accelerator().is_fp16_supported():
         pytest.skip("this CPU's DeepSpeed accelerator supports fp16")
     with pytest.raises(ValueError, match="fp16.*not supported.*bf16-mixed"):
-        _trainer(tmp_path, DeepSpeedCPUStrategy(start_method="spawn"), "16-mixed", 1)
+        _trainer(tmp_path, DeepSpeedCPUStrategy(start_method="fork"), "16-mixed", 1)

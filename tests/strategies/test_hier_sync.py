@@ -50,9 +50,9 @@ PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
 
 @pytest.mark.timeout(300)
 def test_synchronous_setting_equals_flat_ddp_after_every_step(tmp_path):
-    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"))
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
     hier, summary = _fit(tmp_path / "hier", HierSyncStrategy(inter_period=1, max_delay=0, node_size=2,
-                                                             start_method="spawn"))  # fmt: skip
+                                                             start_method="fork"))  # fmt: skip
     for r in range(4):
         assert len(hier[r]["steps"]) == 8
         for got, want in zip(hier[r]["steps"], ddp[0]["steps"], strict=True):
@@ -68,7 +68,7 @@ def test_synchronous_setting_equals_flat_ddp_after_every_step(tmp_path):
 def test_delayed_averaging_ends_with_one_merged_model(tmp_path):
     # inter_period=3 over 8 steps: the last launch is at step 6, so the nodes have unmerged progress at the end.
     res, summary = _fit(tmp_path / "delay", HierSyncStrategy(inter_period=3, max_delay=1, node_size=2,
-                                                             start_method="spawn"))  # fmt: skip
+                                                             start_method="fork"))  # fmt: skip
     # Inside a node the replicas never differ; across nodes they do between averagings.
     for step in range(8):
         torch.testing.assert_close(res[0]["steps"][step], res[1]["steps"][step])
@@ -90,7 +90,7 @@ def test_delayed_averaging_ends_with_one_merged_model(tmp_path):
     ids=["nesterov", "int8"],
 )
 def test_resume_continues_the_same_trajectory(tmp_path, extra):
-    strategy = dict(inter_period=1, max_delay=1, node_size=2, start_method="spawn", **extra)
+    strategy = dict(inter_period=1, max_delay=1, node_size=2, start_method="fork", **extra)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     full, _ = _fit(tmp_path / "full", HierSyncStrategy(**strategy), callbacks=[ckpt])
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
@@ -105,7 +105,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, extra):
 @pytest.mark.timeout(200)
 def test_node_size_that_does_not_divide_the_world_fails_at_setup(tmp_path):
     with pytest.raises(Exception, match="node_size=3 does not divide"):
-        _fit(tmp_path / "bad", HierSyncStrategy(node_size=3, start_method="spawn"), steps=1)
+        _fit(tmp_path / "bad", HierSyncStrategy(node_size=3, start_method="fork"), steps=1)
 
 
 @pytest.mark.parametrize(
@@ -149,8 +149,8 @@ def _fit_with(out: Path, strategy, model_cls, **trainer_kwargs) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_gradient_accumulation_equals_ddp(tmp_path):
-    ddp = _fit_with(tmp_path / "ddp", DDPStrategy(start_method="spawn"), TinyModel, accumulate_grad_batches=2)
-    strategy = HierSyncStrategy(inter_period=1, max_delay=0, node_size=2, start_method="spawn")
+    ddp = _fit_with(tmp_path / "ddp", DDPStrategy(start_method="fork"), TinyModel, accumulate_grad_batches=2)
+    strategy = HierSyncStrategy(inter_period=1, max_delay=0, node_size=2, start_method="fork")
     hier = _fit_with(tmp_path / "hier", strategy, TinyModel, accumulate_grad_batches=2)
     for r in range(4):
         torch.testing.assert_close(hier[r]["final"], ddp[0]["final"], rtol=1e-5, atol=1e-6)
@@ -160,7 +160,7 @@ def test_gradient_accumulation_equals_ddp(tmp_path):
 def test_manual_optimisation_with_two_optimizers_and_clipping(tmp_path):
     from _models import ManualTwoOptimizersModel
 
-    strategy = HierSyncStrategy(inter_period=2, max_delay=1, node_size=2, start_method="spawn")
+    strategy = HierSyncStrategy(inter_period=2, max_delay=1, node_size=2, start_method="fork")
     res = _fit_with(tmp_path / "manual", strategy, ManualTwoOptimizersModel)
     # One averaging step per training step (after the last optimizer), and fit ends with one merged model.
     for r in res[1:]:

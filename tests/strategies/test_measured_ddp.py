@@ -44,10 +44,10 @@ PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
 
 @pytest.mark.timeout(300)
 def test_post_local_sgd_with_period_1_equals_ddp_and_is_measured_by_link(tmp_path):
-    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="spawn"))
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
     local, summary = _fit(
         tmp_path / "plsgd",
-        MeasuredDDPStrategy(local_sgd="post_local_sgd", averaging_period=1, node_size=2, start_method="spawn"),
+        MeasuredDDPStrategy(local_sgd="post_local_sgd", averaging_period=1, node_size=2, start_method="fork"),
     )
     # SGD without momentum: averaging node models every step == averaging gradients every step.
     for r in range(4):
@@ -63,7 +63,7 @@ def test_hierarchical_averager_keeps_nodes_together_and_syncs_all_every_period(t
     params, summary = _fit(
         tmp_path / "hier",
         MeasuredDDPStrategy(local_sgd="hierarchical", averaging_period=4, warmup_steps=2, node_size=2,
-                            start_method="spawn"),
+                            start_method="fork"),
         steps=10,
     )  # fmt: skip
     # Averager steps 0-9, warm-up 2: node averaging at 2,3,5,6,7,9; global at 4 and 8. The last step (9) averages
@@ -80,7 +80,7 @@ def test_hierarchical_averager_keeps_nodes_together_and_syncs_all_every_period(t
 
 @pytest.mark.timeout(200)
 def test_plain_mode_on_one_node_measures_like_ddp(tmp_path):
-    params, summary = _fit(tmp_path / "plain", MeasuredDDPStrategy(start_method="spawn"), steps=4)
+    params, summary = _fit(tmp_path / "plain", MeasuredDDPStrategy(start_method="fork"), steps=4)
     assert all(torch.equal(params[0], p) for p in params)
     assert all(r["bytes_intra_per_step"] == PARAM_BYTES and r["bytes_inter_per_step"] == 0 for r in summary["ranks"])
 
