@@ -153,7 +153,13 @@ def _schemas() -> dict[str, type]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor, SyncSwitcher
+    from lightning_syncasync.callbacks import (
+        AdaptiveBatchSize,
+        PeerWatchdog,
+        StragglerEmulator,
+        SyncMonitor,
+        SyncSwitcher,
+    )
     from lightning_syncasync.demo import (
         Classifier,
         DigitsDataModule,
@@ -207,6 +213,7 @@ def _schemas() -> dict[str, type]:
         "callbacks/straggler_emulator": builds(StragglerEmulator),
         "callbacks/adaptive_batch": builds(AdaptiveBatchSize),
         "callbacks/switcher": builds(SyncSwitcher),
+        "callbacks/watchdog": builds(PeerWatchdog),
         "callbacks/model_checkpoint": builds(ModelCheckpoint),
         "callbacks/early_stopping": builds(EarlyStopping),
         "callbacks/rich_progress_bar": builds(RichProgressBar),

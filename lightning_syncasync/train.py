@@ -106,6 +106,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     straggler = StragglerEmulator.from_env()  # set by syncasync-emulate --jitter/--straggler-schedule
     if straggler is not None:
         callbacks.append(straggler)  # after SyncMonitor, so the injected pause falls inside the measured step
+    from lightning_syncasync.callbacks.faults import FaultInjector
+
+    fault = FaultInjector.from_env()  # set by syncasync-emulate --fault (reliability tests)
+    if fault is not None:
+        callbacks.append(fault)
     loggers = _instantiate_dict(cfg.logger)
     trainer: pl.Trainer = _instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
 

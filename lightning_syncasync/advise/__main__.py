@@ -57,7 +57,7 @@ def _positive(name: str, upper: float = math.inf):
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} {text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not a number; HINT: e.g. {name} 5") from None
         if not (0 < value <= upper):
             raise argparse.ArgumentTypeError(f"{name} must be in (0, {upper:g}], got {text}; HINT: e.g. {name} 5")
         return value

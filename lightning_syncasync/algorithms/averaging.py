@@ -42,6 +42,9 @@ from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
 from lightning_syncasync.algorithms._flat import add_flat_
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.algorithms.watchdog import PeerLostError
+
+__all__ = ["DelayedAverager", "PeerLostError", "check_settings"]
 
 Outer = Literal["average", "nesterov"]
 
@@ -54,15 +57,14 @@ def check_settings(inter_period: int, max_delay: int, outer: str, outer_lr: floa
     if max_delay < 0:
         raise ValueError(f"max_delay must be >= 0, got {max_delay}; HINT: 0 is synchronous, 1 allows one step of lag")
     if outer not in ("average", "nesterov"):
-        raise ValueError(f"outer must be 'average' or 'nesterov', got {outer!r}")
+        raise ValueError(
+            f"outer must be 'average' or 'nesterov', got {outer!r}; HINT: 'average' is plain periodic averaging, "
+            "'nesterov' DiLoCo's outer momentum"
+        )
     if outer_lr <= 0:
         raise ValueError(f"outer_lr must be > 0, got {outer_lr}; HINT: 1.0 with outer_momentum=0 is plain averaging")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}; HINT: DiLoCo uses 0.9")
-
-
-class PeerLostError(RuntimeError):
-    """A cross-node collective failed or timed out: a peer died, hung or became unreachable."""
 
 
 @dataclass

@@ -42,13 +42,16 @@ class StaleGradientCompensation:
     def __init__(self, method: Method = "dc_asgd_adaptive", lam: float = 1.0, ms_momentum: float = 0.95,
                  eps: float = 1e-7) -> None:  # fmt: skip
         if method not in METHODS:
-            raise ValueError(f"compensation must be one of {METHODS}, got {method!r}")
+            raise ValueError(
+                f"compensation must be one of {METHODS}, got {method!r}; HINT: 'dc_asgd_adaptive' is the default, "
+                "'none' applies stale gradients as they are"
+            )
         if lam < 0:
             raise ValueError(f"lam must be >= 0, got {lam}; HINT: 0 turns DC-ASGD off")
         if not 0 <= ms_momentum < 1:
-            raise ValueError(f"ms_momentum must be in [0, 1), got {ms_momentum}")
+            raise ValueError(f"ms_momentum must be in [0, 1), got {ms_momentum}; HINT: the default 0.95 is the paper's")
         if eps <= 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
+            raise ValueError(f"eps must be > 0, got {eps}; HINT: the default 1e-7 only guards the square root")
         self.method = method
         self.lam = lam
         self.ms_momentum = ms_momentum

@@ -249,7 +249,9 @@ class ScalingModel:
         if not 0 <= straggler_fraction <= 1:
             raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction}; HINT: e.g. 0.25")
         if straggler_factor < 1:
-            raise ValueError(f"straggler_factor must be >= 1 (1.5 = 1.5x slower), got {straggler_factor}")
+            raise ValueError(
+                f"straggler_factor must be >= 1 (1.5 = 1.5x slower), got {straggler_factor}; HINT: 1 is no straggler"
+            )
         if not 0 <= jitter_p <= 1:
             raise ValueError(
                 f"jitter_p must be in [0, 1], got {jitter_p}; HINT: probability per rank and step, e.g. 0.1"

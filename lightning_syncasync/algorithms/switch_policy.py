@@ -126,22 +126,33 @@ class SwitchPolicy:
         if unknown or "sync" not in available:
             raise ValueError(f"available must be a subset of {MODES} containing 'sync', got {list(available)}")
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+            raise ValueError(
+                f"warmup_steps must be >= 0, got {warmup_steps}; HINT: 0 allows async from the first window"
+            )
         if dwell_windows < 1:
             raise ValueError(f"dwell_windows must be >= 1, got {dwell_windows}; HINT: 1 allows a switch every window")
         if not 0 < comm_high < 1:
-            raise ValueError(f"comm_high must be in (0, 1) (a share of step time), got {comm_high}")
+            raise ValueError(
+                f"comm_high must be in (0, 1) (a share of step time), got {comm_high}; HINT: 0.35 picks hier when "
+                "communication takes 35% of a step"
+            )
         if not 1 <= straggler_low <= straggler_high:
             raise ValueError(
                 f"need 1 <= straggler_low <= straggler_high, got {straggler_low} and {straggler_high}; HINT: the "
                 "ratio is slowest over median compute per sample, e.g. 1.15 and 1.3"
             )
         if not 0 <= jitter_low <= jitter_high:
-            raise ValueError(f"need 0 <= jitter_low <= jitter_high, got {jitter_low} and {jitter_high}")
+            raise ValueError(
+                f"need 0 <= jitter_low <= jitter_high, got {jitter_low} and {jitter_high}; HINT: jitter is the median "
+                "coefficient of variation of step compute, e.g. 0.3 and 0.5"
+            )
         if spike_factor <= 1:
             raise ValueError(f"spike_factor must be > 1, got {spike_factor}; HINT: 2.0 flags a doubled loss")
         if cooldown_windows < 0:
-            raise ValueError(f"cooldown_windows must be >= 0, got {cooldown_windows}")
+            raise ValueError(
+                f"cooldown_windows must be >= 0, got {cooldown_windows}; HINT: 0 lets a diverged mode be chosen again "
+                "at once"
+            )
         self.available = tuple(available)
         self.warmup_steps = warmup_steps
         self.dwell_windows = dwell_windows

@@ -105,11 +105,18 @@ class AdaptiveBatchSize(Callback):
     ) -> None:
         super().__init__()
         if interval < 1:
-            raise ValueError(f"interval must be >= 1 (batches between rebalancing decisions), got {interval}")
+            raise ValueError(
+                f"interval must be >= 1 (batches between rebalancing decisions), got {interval}; HINT: 10 decides "
+                "every 10 batches"
+            )
         if global_batch is not None and global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+            raise ValueError(
+                f"global_batch must be >= 1, got {global_batch}; HINT: None takes the loader's batch_size x ranks"
+            )
         if min_batch < 1:
-            raise ValueError(f"min_batch must be >= 1, got {min_batch}")
+            raise ValueError(
+                f"min_batch must be >= 1, got {min_batch}; HINT: 1 lets the slowest rank go down to one sample"
+            )
         highs = [max_batch] if isinstance(max_batch, int) else list(max_batch or [])
         if highs and min(highs) < min_batch:
             raise ValueError(
@@ -117,17 +124,28 @@ class AdaptiveBatchSize(Callback):
                 "raise max_batch"
             )
         if not 0.0 <= hysteresis < 1.0:
-            raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
+            raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}; HINT: 0.05 adopts a split 5% faster")
         if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1) (weight of the previous estimate), got {smoothing}")
+            raise ValueError(
+                f"smoothing must be in [0, 1) (weight of the previous estimate), got {smoothing}; HINT: 0.5, or 0 "
+                "to use each window alone"
+            )
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; HINT: 0 measures from the first batch")
         if loss_reduction not in _REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}")
+            raise ValueError(
+                f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}; HINT: 'mean' for a loss "
+                "averaged over the batch (torch's default), 'sum' for a summed one"
+            )
         if max_global_batch is not None and max_global_batch < 1:
-            raise ValueError(f"max_global_batch must be >= 1, got {max_global_batch}")
+            raise ValueError(
+                f"max_global_batch must be >= 1, got {max_global_batch}; HINT: None allows 8x the initial global batch"
+            )
         if sizes is not None and (not sizes or min(sizes) < 1):
-            raise ValueError(f"sizes must give every rank a batch >= 1, got {sizes}")
+            raise ValueError(
+                f"sizes must give every rank a batch >= 1, got {sizes}; HINT: one size per rank summing to the global "
+                "batch, or None for an even split"
+            )
         self.interval = interval
         self.global_batch = global_batch
         self.min_batch = min_batch

@@ -92,7 +92,7 @@ class SyncMonitor(Callback):
         self.print_summary = print_summary
         self.smoothing = smoothing
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; HINT: 0 aggregates every step")
         self.warmup_steps = warmup_steps
         self.summary_file = summary_file
         self._steps_seen = 0

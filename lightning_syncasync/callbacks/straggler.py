@@ -60,7 +60,7 @@ def parse_slowdown(spec: str) -> list[Window]:
     out = []
     for item in _items(spec):
         rank, factor = _pair(item, "slowdown", "RANK:FACTOR, e.g. 3:1.5")
-        out.append(Window(int(rank), _factor(factor, "slowdown")))
+        out.append(Window(int(rank), _factor(factor, "slowdown", "3:1.5")))
     return out
 
 
@@ -79,7 +79,7 @@ def parse_schedule(spec: str) -> list[Window]:
             raise ValueError(
                 f"schedule item {item!r}: the window must be START-END with 0 <= START < END <= 1, e.g. 3:2@0.33-0.67"
             )
-        out.append(Window(int(rank), _factor(factor, "schedule"), lo, hi))
+        out.append(Window(int(rank), _factor(factor, "schedule", "3:2@0.33-0.67"), lo, hi))
     return out
 
 
@@ -115,10 +115,10 @@ def _pair(item: str, name: str, form: str) -> tuple[str, str]:
     return a, b
 
 
-def _factor(value: str, name: str) -> float:
+def _factor(value: str, name: str, example: str) -> float:
     f = float(value)
     if f < 1.0:
-        raise ValueError(f"{name} factor must be >= 1 (1.5 = 1.5x slower), got {f}")
+        raise ValueError(f"{name} factor must be >= 1 (1.5 = 1.5x slower), got {f}; e.g. {name}={example}")
     return f
 
 
@@ -142,7 +142,10 @@ class StragglerEmulator(Callback):
     ) -> None:
         super().__init__()
         if start_barrier and len(start_barrier.split(":")) != 3:
-            raise ValueError(f"start_barrier must be HOST:PORT:WORLD, got {start_barrier!r}")
+            raise ValueError(
+                f"start_barrier must be HOST:PORT:WORLD, got {start_barrier!r}; HINT: e.g. 127.0.0.1:29500:4, or leave "
+                "it empty (syncasync-emulate --independent sets it)"
+            )
         self.start_barrier = start_barrier
         self.windows = parse_slowdown(slowdown) + parse_schedule(schedule)
         self.jitter_prob, self.jitter_factor = parse_jitter(jitter)
@@ -161,15 +164,31 @@ class StragglerEmulator(Callback):
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StragglerEmulator | None:
-        """The emulator configured by ``syncasync-emulate``'s environment variables, or ``None`` if none is set."""
+        """The emulator configured by ``syncasync-emulate``'s environment variables, or ``None`` if none is set.
+
+        A bad value is rejected naming the variable, since the user never typed the callback's arguments."""
         env = os.environ if environ is None else environ
-        specs = {
-            k: env.get(v, "")
-            for k, v in (("slowdown", ENV_SLOWDOWN), ("schedule", ENV_SCHEDULE), ("jitter", ENV_JITTER))
-        }
+        parsers = (
+            ("slowdown", ENV_SLOWDOWN, parse_slowdown),
+            ("schedule", ENV_SCHEDULE, parse_schedule),
+            ("jitter", ENV_JITTER, parse_jitter),
+        )
+        specs = {key: env.get(var, "") for key, var, _ in parsers}
         if not any(s.strip() for s in specs.values()):
             return None
-        return cls(**specs, seed=int(env.get(ENV_SEED, "0")))
+        for key, var, parse in parsers:
+            try:
+                parse(specs[key])
+            except ValueError as err:
+                raise ValueError(f"{var}={specs[key]!r}: {err}") from None
+        seed = env.get(ENV_SEED, "0")
+        try:
+            seed_value = int(seed)
+        except ValueError:
+            raise ValueError(
+                f"{ENV_SEED} must be an integer, got {seed!r}; HINT: syncasync-emulate --seed sets it, e.g. --seed 0"
+            ) from None
+        return cls(**specs, seed=seed_value)
 
     @property
     def active(self) -> bool:

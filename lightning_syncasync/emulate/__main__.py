@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="rank logs and emulation.json (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("--grace", type=float, default=30.0, help="seconds the other ranks may run after one fails")
+    p.add_argument(
+        "--fault",
+        default="",
+        metavar="KIND:RANK@STEP[+SECONDS]",
+        help="inject a fault: kill:1@5 (SIGKILL), stop:1@5 (SIGSTOP, a hang), raise:1@5, cut:2@6+3 (rank 2's node "
+        "link down for 3 s); fires in the first attempt only",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the training command")
     return p
 
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             nodes=args.nodes, procs_per_node=args.procs_per_node, link_mbit=args.link_mbit,
             stragglers=dict(args.straggler), jitter=args.jitter, schedule=args.straggler_schedule, seed=args.seed,
             cpu_budget=args.cpu_budget, netns=not args.no_netns, cgroups=not args.no_cgroups,
-            independent=args.independent, log_dir=args.log_dir, grace_s=args.grace,
+            independent=args.independent, log_dir=args.log_dir, grace_s=args.grace, fault=args.fault,
         )  # fmt: skip
         logging.info(
             "%d node(s) x %d, link %s Mbit/s, cores per rank %s, netns=%s, cgroups=%s",

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from lightning_syncasync.callbacks.faults import ENV_FAULT
 from lightning_syncasync.callbacks.straggler import (
     ENV_JITTER,
     ENV_SCHEDULE,
@@ -63,6 +64,8 @@ class EmulationReport:
     wall_s: float = 0.0
     failed_rank: int | None = None
     interrupted: bool = False
+    fault: str = ""
+    exit_times: list[float | None] = field(default_factory=list)  # time.time() each rank's exit was seen
 
 
 def free_port() -> int:
@@ -92,6 +95,8 @@ class EmulatedCluster:
         log_dir: where ``rank{r}.log`` and ``emulation.json`` go (default: a new temporary folder).
         grace_s: how long the other ranks may run after one failed, before they are killed.
         echo_rank0: copy rank 0's output to this process's stdout.
+        fault: a fault to inject, ``KIND:RANK@STEP[+SECONDS]`` (``kill``, ``stop``, ``raise``, ``cut``; see
+            :mod:`lightning_syncasync.callbacks.faults`), passed to every rank as ``SYNCASYNC_FAULT``.
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class EmulatedCluster:
         log_dir: str | Path | None = None,
         grace_s: float = 30.0,
         echo_rank0: bool = True,
+        fault: str = "",
     ) -> None:
         if nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {nodes}")
@@ -135,6 +141,20 @@ class EmulatedCluster:
             )
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        if fault:
+            from lightning_syncasync.callbacks.faults import parse_fault
+
+            spec = parse_fault(fault)
+            if spec.rank >= self.world_size:
+                raise ValueError(
+                    f"--fault rank {spec.rank} is outside the world of {self.world_size} ranks; HINT: a rank below "
+                    f"{self.world_size}"
+                )
+            if spec.kind == "cut" and not netns:
+                raise ValueError(
+                    "--fault cut:... takes a node's link down: it needs network namespaces; HINT: drop --no-netns"
+                )
+        self.fault = fault
         self.nodes, self.procs_per_node = nodes, procs_per_node
         self.link_mbit = link_mbit
         self.jitter, self.schedule, self.seed = jitter, schedule, seed
@@ -153,6 +173,7 @@ class EmulatedCluster:
         self._stop = threading.Event()
         self._barrier_port: int | None = None
         self._barrier_store: object | None = None
+        self._exit_times: dict[int, float] = {}
 
     def cores_per_rank(self) -> list[float]:
         base = self.cpu_budget / self.world_size
@@ -163,7 +184,8 @@ class EmulatedCluster:
         env = dict(os.environ)
         # One intra-op thread per rank: each emulated machine owns its share of one core, not the whole box.
         env.setdefault("OMP_NUM_THREADS", "1")
-        for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED, ENV_START_BARRIER):
+        for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED, ENV_START_BARRIER,
+                    ENV_FAULT):  # fmt: skip
             env.pop(var, None)
         if self.independent:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
@@ -177,6 +199,8 @@ class EmulatedCluster:
             if self.network is not None:
                 env.update(self.network.node_env(node))
         env[ENV_SEED] = str(self.seed)
+        if self.fault:
+            env[ENV_FAULT] = self.fault
         if self.jitter:
             env[ENV_JITTER] = self.jitter
         if self.schedule:
@@ -200,7 +224,7 @@ class EmulatedCluster:
             link_mbit=None if self.independent else self.link_mbit, netns=self.netns and not self.independent,
             cpu_mode="cgroup" if self.use_cgroups else "sleep", cores_per_rank=self.cores_per_rank(),
             stragglers=self.stragglers, jitter=self.jitter, schedule=self.schedule, seed=self.seed,
-            independent=self.independent,
+            independent=self.independent, fault=self.fault,
         )  # fmt: skip
         log_dir = self.log_dir or Path(__import__("tempfile").mkdtemp(prefix="syncasync-emulate-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -267,6 +291,7 @@ class EmulatedCluster:
                     signal.signal(s, handler)
             self._barrier_store = None
             report.exit_codes = [p.returncode for p in self.procs]
+            report.exit_times = [self._exit_times.get(r) for r in range(len(self.procs))]
             report.wall_s = time.monotonic() - start
             (log_dir / "emulation.json").write_text(json.dumps(asdict(report), indent=2))
             self.log_dir = log_dir
@@ -296,6 +321,9 @@ class EmulatedCluster:
         failed_at: float | None = None
         while True:
             codes = [p.poll() for p in self.procs]
+            for r, c in enumerate(codes):
+                if c is not None:
+                    self._exit_times.setdefault(r, time.time())
             if all(c is not None for c in codes):
                 return
             if self._stop.is_set():
@@ -324,6 +352,7 @@ class EmulatedCluster:
         for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, signal.SIGCONT)  # a stopped (hung) rank handles SIGTERM only once continued
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + 10

@@ -38,6 +38,7 @@ from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class LocalReduceWhileAsync:
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
 
-class AsyncSSPStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
+class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
     """Asynchronous training with Stale Synchronous Parallel bounded staleness, for any LightningModule.
 
     Args:

@@ -54,6 +54,7 @@ from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import LocalReduceWhileAsync, ssp_optimizer_step
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class ModeUnavailableError(ValueError):
     """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
 
 
-class AutoSyncStrategy(LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
+class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
     """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
 
     Args:

@@ -34,11 +34,12 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
 
 
-class HierSyncStrategy(CheckpointedAlgorithm, DDPStrategy):
+class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
     """Hierarchical synchronisation for any LightningModule.
 
     Args:

@@ -49,6 +49,7 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ _ONEBIT_KEY = "syncasync_onebit_adam"
 _MODES = (None, "post_local_sgd", "hierarchical")
 
 
-class MeasuredDDPStrategy(DDPStrategy):
+class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
     """DDP whose communication is measured for ``SyncMonitor``, optionally with post-local SGD or hierarchical SGD.
 
     Args:

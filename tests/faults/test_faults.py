@@ -1,0 +1,102 @@
+"""Fault injection into every strategy (issue 10): a killed, hung (SIGSTOP) or failing rank ends the job on every
+rank within the timeout, with an error naming the lost rank, and leaves no process behind.
+
+Each job is 3 single-process "nodes" started by ``EmulatedCluster`` with torchrun's environment and no launcher
+that would kill the survivors for us (its grace period is longer than the bound asserted), so the survivors must
+notice the loss themselves, as on separate machines. Detection time: from the faulty rank's stamp
+(``syncasync-fault: ... (t=...)``) to the last survivor's exit, printed as ``FAULT-TIMING`` lines (the README's
+failure table comes from them: ``pytest -m faults -s | grep FAULT-TIMING``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_syncasync.emulate.cluster import EmulatedCluster
+
+pytestmark = pytest.mark.faults
+
+JOB = str(Path(__file__).with_name("fault_job.py"))
+TIMEOUT_S = 5.0  # the watchdog / peer timeout of these jobs
+GRACE_S = {"ddp": 1.0}  # the job's own PeerWatchdog for ddp; the strategies add one with the default grace
+DEFAULT_GRACE_S = 5.0
+
+
+def _run(tmp_path: Path, strategy: str, fault: str, compression: str = "none") -> dict:
+    out = tmp_path / "out"
+    out.mkdir()
+    # The emulator's grace runs from the first exit: the killed rank's (then the survivors must beat it, or they are
+    # SIGTERMed and the test fails), or a survivor's when the faulty rank is stopped (then it only bounds how long
+    # the stopped rank is kept before the clean-up).
+    grace = 8.0 if fault.startswith("stop") else 30.0
+    cluster = EmulatedCluster(nodes=3, procs_per_node=1, netns=False, cgroups=False, log_dir=tmp_path / "logs",
+                              grace_s=grace, echo_rank0=False, fault=fault)  # fmt: skip
+    report = cluster.run([sys.executable, JOB, strategy, compression, str(TIMEOUT_S), str(out)], timeout_s=150)
+    logs = [(tmp_path / "logs" / f"rank{r}.log").read_text(errors="replace") for r in range(3)]
+    stamp = re.search(r"syncasync-fault: rank (\d+) (\w+) at step (\d+) \(t=([\d.]+)\)", "\n".join(logs))
+    assert stamp is not None, "the fault never fired:\n" + "\n".join(logs)
+    leftovers = subprocess.run(["pgrep", "-f", f"{JOB} {strategy} "], capture_output=True, text=True).stdout
+    return {"report": report, "logs": logs, "fault_t": float(stamp[4]), "leftovers": leftovers,
+            "records": {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(3)
+                        if (out / f"rank{r}.json").exists()}}  # fmt: skip
+
+
+def _check_survivors(res: dict, strategy: str, lost: int, label: str, bound_s: float) -> None:
+    report, logs = res["report"], res["logs"]
+    survivors = [r for r in range(3) if r != lost]
+    assert not res["leftovers"], f"processes left behind: {res['leftovers']}"
+    assert not report.interrupted
+    for r in survivors:
+        # Ended by itself (an error or the watchdog's exit), not by the emulator's clean-up after its grace period.
+        assert report.exit_codes[r] not in (0, None, -15, -9), (r, report.exit_codes, logs[r][-3000:])
+        assert report.exit_times[r] is not None
+        named = re.search(rf"PeerLostError.*rank {lost} (is lost|failed)|rank {lost} \(", logs[r])
+        assert named, f"rank {r} did not name rank {lost}:\n{logs[r][-3000:]}"
+    detect = max(report.exit_times[r] for r in survivors) - res["fault_t"]
+    print(f"\nFAULT-TIMING {strategy} {label}: last survivor exited {detect:.1f}s after the fault "
+          f"(timeout {TIMEOUT_S:g}s), exit codes {report.exit_codes}")  # fmt: skip
+    assert detect <= bound_s, (detect, report.exit_codes)
+
+
+KILL_CASES = [("ddp", "none"), ("hier_sync", "none"), ("async_ssp", "none"), ("auto_sync", "none"),
+              ("hier_sync", "int8"), ("async_ssp", "int8")]  # fmt: skip
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("strategy", "compression"), KILL_CASES, ids=[f"{s}-{c}" for s, c in KILL_CASES])
+def test_a_killed_worker_stops_every_other_rank_naming_it(tmp_path, strategy, compression):
+    res = _run(tmp_path, strategy, "kill:1@20", compression)
+    assert res["report"].exit_codes[1] == -9  # SIGKILL
+    grace = GRACE_S.get(strategy, DEFAULT_GRACE_S)
+    _check_survivors(res, f"{strategy}+{compression}", lost=1, label="SIGKILL", bound_s=TIMEOUT_S + grace + 10)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["ddp", "hier_sync", "async_ssp", "auto_sync"])
+def test_a_hung_worker_is_detected_by_the_same_timeout(tmp_path, strategy):
+    res = _run(tmp_path, strategy, "stop:1@20")
+    grace = GRACE_S.get(strategy, DEFAULT_GRACE_S)
+    _check_survivors(res, strategy, lost=1, label="SIGSTOP", bound_s=TIMEOUT_S + grace + 10)
+    # Stopped until the emulator's clean-up (SIGTERM + SIGCONT), which it does not survive either.
+    assert res["report"].exit_codes[1] != 0
+
+
+@pytest.mark.timeout(200)
+def test_losing_the_store_host_names_rank_0(tmp_path):
+    # Under Lightning's own launch rank 0 hosts the rendezvous store: the others lose their heartbeats' store too.
+    res = _run(tmp_path, "ddp", "kill:0@20")
+    _check_survivors(res, "ddp", lost=0, label="SIGKILL of rank 0", bound_s=TIMEOUT_S + 1 + 10)
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_raises_is_named_as_the_origin(tmp_path):
+    res = _run(tmp_path, "ddp", "raise:2@20")
+    assert "injected fault on rank 2" in res["records"][2]["error"]
+    _check_survivors(res, "ddp", lost=2, label="exception", bound_s=TIMEOUT_S + 1 + 10)
+    assert any("rank 2 failed: RuntimeError: injected fault" in res["logs"][r] for r in (0, 1))

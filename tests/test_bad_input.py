@@ -1,0 +1,545 @@
+"""Invalid configurations, one row each: rejected before training, naming the setting and the fix.
+
+``CASES`` is the table. Every row is a test, and ``docs/bad_input.md`` is rendered from the rows with the messages the
+code actually raised: ``SYNCASYNC_WRITE_DOCS=1 python -m pytest tests/test_bad_input.py`` rewrites it, and a plain run
+fails when it is out of date. Everything runs in this process, without starting training processes: a check that
+only fires once ranks run is not in the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from _models import TinyModel
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, InstantiationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_syncasync.train as train_app
+from lightning_syncasync.advise.__main__ import main as advise_main
+from lightning_syncasync.algorithms.batching import BatchBalancer
+from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
+from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.costmodel import ScalingModel
+from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor, SyncSwitcher
+from lightning_syncasync.cli import build_cli
+from lightning_syncasync.emulate import network as network_mod
+from lightning_syncasync.emulate.__main__ import main as emulate_main
+from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
+from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
+from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
+from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "bad_input.md"
+ENV_WRITE_DOCS = "SYNCASYNC_WRITE_DOCS"
+MESSAGE_CHARS = 120
+
+# When a setting is rejected (the "When rejected" column).
+CONSTRUCTION = "construction"
+CALL = "call, before any communication"
+COMPOSITION = "config composition"
+VALIDATION = "config validation"
+PARSING = "argument parsing"
+TRAINER = "Trainer(...)"
+SETUP = "setup on every rank"
+LAUNCH = "before anything starts"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One invalid configuration.
+
+    Attributes:
+        slug: the test id.
+        surface: where the user sets it (a strategy, callback, algorithm or tool).
+        setting: the setting as the user writes it.
+        attempt: does what the user's setting does, up to the point where it must be rejected.
+        error: the exception type expected.
+        name: regex the message must contain: the setting's name.
+        fix: regex the message must contain: the fix (the ``HINT:`` or an equivalent instruction).
+        when: when it is rejected (one of the constants above).
+        skip: returns a reason when this machine cannot reproduce the case (``None``: it always can).
+    """
+
+    slug: str
+    surface: str
+    setting: str
+    attempt: Callable[[], object]
+    error: type[BaseException]
+    name: str
+    fix: str
+    when: str = CONSTRUCTION
+    skip: Callable[[], str | None] | None = None
+
+
+class CommandFailed(Exception):
+    """A command-line tool exited with a non-zero status; the message is its error output."""
+
+    def __init__(self, code: object, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class TrainingStarted(AssertionError):
+    """Raised instead of the first training batch: the setting was not rejected in time."""
+
+
+# -- how a user reaches each surface ----------------------------------------------------------------------------------
+
+
+def _command(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
+    """Run a console script's ``main`` here; a non-zero exit raises :class:`CommandFailed` with its error line."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            result = main(list(argv))
+        except SystemExit as exit_:
+            result = exit_.code
+    code = result if isinstance(result, int) else 0
+    if code == 0:
+        return
+    lines = err.getvalue().strip().splitlines()
+    first = next((i for i, line in enumerate(lines) if ": error:" in line), 0)
+    raise CommandFailed(code, "\n".join(lines[first:]))
+
+
+def _emulate(*argv: str) -> Callable[[], None]:
+    return lambda: _command(emulate_main, ["--nodes", "2", "--procs-per-node", "2", *argv])
+
+
+def _emulate_without_root() -> None:
+    # As a user without root on a machine with iproute2 (this one may be either).
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        mock.patch.object(network_mod.os, "geteuid", return_value=1000),
+        mock.patch.object(network_mod.shutil, "which", return_value="/usr/sbin/ip"),
+    ):
+        argv = ["--nodes", "2", "--procs-per-node", "1", "--link-mbit", "100", "--no-cgroups", "--log-dir", logs]
+        _command(emulate_main, [*argv, "--", "true"])
+
+
+def _advise(*argv: str) -> Callable[[], None]:
+    return lambda: _command(advise_main, list(argv))
+
+
+def _lightning_cli(*args: str) -> Callable[[], None]:
+    """``syncasync-cli fit ARGS`` up to the Trainer (``run=False`` parses and instantiates, as ``fit`` does first)."""
+    base = ["--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+
+    def attempt() -> None:
+        with mock.patch.object(sys, "argv", ["syncasync-cli"]):  # pytest's own arguments are not the CLI's
+            _command(lambda argv: build_cli(args=argv, run=False), [*base, *args])
+
+    return attempt
+
+
+def _train_app(*overrides: str) -> Callable[[], None]:
+    """``syncasync-train OVERRIDES`` up to ``trainer.fit``: compose, validate and build what ``train.run`` builds."""
+
+    def attempt() -> None:
+        GlobalHydra.instance().clear()
+        try:
+            with (
+                tempfile.TemporaryDirectory() as out,
+                initialize_config_module(config_module="lightning_syncasync.conf", version_base="1.3"),
+            ):
+                cfg = compose(
+                    "train", overrides=[*overrides, f"hydra.runtime.output_dir={out}"], return_hydra_config=True
+                )
+                HydraConfig.instance().set_config(cfg)  # ${hydra:runtime.output_dir} resolves as in the app
+                train_app.validate_config(cfg)
+                train_app._instantiate(cfg.data)
+                train_app._instantiate(cfg.model)
+                callbacks = train_app._instantiate_dict(cfg.callbacks)
+                train_app._instantiate(cfg.trainer, callbacks=callbacks, logger=False)
+        finally:
+            GlobalHydra.instance().clear()
+
+    return attempt
+
+
+def _fit(*callbacks: Any, model: Any = None, **trainer_kwargs: Any) -> Callable[[], None]:
+    """A single-process ``Trainer.fit`` (a check that fires in ``setup``/``on_fit_start`` fires there on every rank)."""
+
+    def attempt() -> None:
+        trainer = Trainer(
+            accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=list(callbacks),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+        )  # fmt: skip
+        trainer.fit(model if model is not None else TinyModel())
+
+    return attempt
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(64):
+            x = torch.randn(8, generator=g)
+            yield x, int(x[0] > 0)
+
+
+class _StreamModel(TinyModel):
+    def train_dataloader(self):
+        return DataLoader(_Stream(), batch_size=16)
+
+
+def _fp16_runs_here() -> str | None:
+    from deepspeed.accelerator import get_accelerator
+
+    if torch.cuda.is_available() or get_accelerator().is_fp16_supported():
+        return "DeepSpeed runs fp16 on this machine"
+    return None
+
+
+def _scaling_model(**kwargs: Any) -> Callable[[], None]:
+    return lambda: ScalingModel(compute_s_per_sample=0.002, batch_size=32, grad_bytes=4e6, **kwargs)
+
+
+# -- the table ---------------------------------------------------------------------------------------------------------
+
+CASES: list[Case] = [
+    # strategy hier_sync
+    Case("hier-inter-period", "strategy hier_sync", "HierSyncStrategy(inter_period=0)",
+         lambda: HierSyncStrategy(inter_period=0), ValueError, r"inter_period", r"HINT: 1 averages"),
+    Case("hier-max-delay", "strategy hier_sync", "HierSyncStrategy(max_delay=-1)",
+         lambda: HierSyncStrategy(max_delay=-1), ValueError, r"max_delay", r"HINT: 0 is synchronous"),
+    Case("hier-outer", "strategy hier_sync", "HierSyncStrategy(outer='momentum')",
+         lambda: HierSyncStrategy(outer="momentum"), ValueError, r"outer must", r"HINT: 'average'"),
+    Case("hier-outer-momentum", "strategy hier_sync", "HierSyncStrategy(outer='nesterov', outer_momentum=1.0)",
+         lambda: HierSyncStrategy(outer="nesterov", outer_momentum=1.0), ValueError, r"outer_momentum",
+         r"HINT: DiLoCo uses 0.9"),
+    Case("hier-peer-timeout", "strategy hier_sync", "HierSyncStrategy(peer_timeout_s=0)",
+         lambda: HierSyncStrategy(peer_timeout_s=0), ValueError, r"peer_timeout_s", r"HINT: 60"),
+    Case("hier-comm-hook", "strategy hier_sync", "HierSyncStrategy(model_averaging_period=4)",
+         lambda: HierSyncStrategy(model_averaging_period=4), ValueError, r"model_averaging_period",
+         r"drop ddp_comm_hook/model_averaging_period"),
+    # strategy async_ssp
+    Case("ssp-staleness", "strategy async_ssp", "AsyncSSPStrategy(staleness=-1)",
+         lambda: AsyncSSPStrategy(staleness=-1), ValueError, r"staleness", r"HINT: 0 is synchronous"),
+    Case("ssp-lam", "strategy async_ssp", "AsyncSSPStrategy(lam=-0.5)",
+         lambda: AsyncSSPStrategy(lam=-0.5), ValueError, r"lam must", r"HINT: 0 turns DC-ASGD off"),
+    Case("ssp-exchange-every", "strategy async_ssp", "AsyncSSPStrategy(exchange_every=0)",
+         lambda: AsyncSSPStrategy(exchange_every=0), ValueError, r"exchange_every", r"HINT: 1 exchanges every step"),
+    # strategy auto_sync
+    Case("auto-staleness", "strategy auto_sync", "AutoSyncStrategy(staleness=-2)",
+         lambda: AutoSyncStrategy(staleness=-2), ValueError, r"staleness", r"HINT: 0 is synchronous"),
+    Case("auto-inter-period", "strategy auto_sync", "AutoSyncStrategy(inter_period=0)",
+         lambda: AutoSyncStrategy(inter_period=0), ValueError, r"inter_period", r"HINT: 1 averages"),
+    Case("auto-comm-hook", "strategy auto_sync", "AutoSyncStrategy(ddp_comm_hook=fp16_compress_hook)",
+         lambda: AutoSyncStrategy(ddp_comm_hook=_fp16_hook()), ValueError, r"ddp_comm_hook",
+         r"drop ddp_comm_hook"),
+    # strategy ddp_measured (and compressed DDP)
+    Case("measured-compression-local-sgd", "strategy ddp_measured",
+         "MeasuredDDPStrategy(local_sgd='post_local_sgd', compression='int8')",
+         lambda: MeasuredDDPStrategy(local_sgd="post_local_sgd", compression="int8"), ValueError,
+         r"compression='int8'", r"HINT: use hier_sync with compression"),
+    Case("measured-local-sgd-hook", "strategy ddp_measured",
+         "MeasuredDDPStrategy(local_sgd='hierarchical', model_averaging_period=4)",
+         lambda: MeasuredDDPStrategy(local_sgd="hierarchical", model_averaging_period=4), ValueError,
+         r"model_averaging_period", r"set local_sgd=None"),
+    Case("measured-compression-name", "strategy ddp_measured", "MeasuredDDPStrategy(compression='zip')",
+         lambda: MeasuredDDPStrategy(compression="zip"), ValueError, r"compression must", r"HINT: 'int8'"),
+    # strategy deepspeed_cpu and its presets
+    Case("ds-offload-stage", "strategy deepspeed_cpu", "DeepSpeedCPUStrategy(stage=2, offload_parameters=True)",
+         lambda: DeepSpeedCPUStrategy(stage=2, offload_parameters=True), ValueError, r"offload_parameters",
+         r"set stage=3 or offload_parameters=False"),
+    Case("ds-foreign-setting", "strategy deepspeed_cpu", "DeepSpeedCPUStrategy(staleness=1)",
+         lambda: DeepSpeedCPUStrategy(staleness=1), ValueError, r"staleness \(async_ssp\)", r"Choose one strategy"),
+    Case("ds-onebit-adam", "strategy deepspeed_cpu",
+         "DeepSpeedCPUStrategy(config={'optimizer': {'type': 'OneBitAdam'}})",
+         lambda: DeepSpeedCPUStrategy(config={"optimizer": {"type": "OneBitAdam"}}), ValueError, r"OneBitAdam",
+         r"Use lightning_syncasync\.algorithms\.onebit_adam\.OneBitAdam"),
+    Case("ds-compression-training", "strategy deepspeed_cpu",
+         "DeepSpeedCPUStrategy(config={'compression_training': {...}})",
+         lambda: DeepSpeedCPUStrategy(config={"compression_training": {}}), ValueError, r"compression_training",
+         r"Use this project's compression= option"),
+    Case("ds-config-file", "strategy deepspeed_cpu", "DeepSpeedCPUStrategy(config='no_such_ds_config.json')",
+         lambda: DeepSpeedCPUStrategy(config="no_such_ds_config.json"), FileNotFoundError, r"config file",
+         r"pass a dict or an existing JSON file"),
+    Case("ds-preset-offload", "Hydra train app", "strategy=deepspeed_zero3_offload strategy.stage=2",
+         _train_app("strategy=deepspeed_zero3_offload", "strategy.stage=2"), InstantiationException,
+         r"offload_parameters", r"set stage=3"),
+    Case("ds-preset-fp16-cpu", "Hydra train app", "strategy=deepspeed_fp16 (on CPU processes)",
+         _train_app("strategy=deepspeed_fp16"), InstantiationException, r"precision='16-mixed'",
+         r"use precision='bf16-mixed'", TRAINER, _fp16_runs_here),
+    # compression
+    Case("compressor-name", "algorithm Compressor", "HierSyncStrategy(compression='zip')",
+         lambda: HierSyncStrategy(compression="zip"), ValueError, r"compression must", r"HINT: 'int8' cuts bytes"),
+    Case("compressor-rank", "algorithm Compressor",
+         "AsyncSSPStrategy(compression='powersgd', compression_options={'rank': 0})",
+         lambda: AsyncSSPStrategy(compression="powersgd", compression_options={"rank": 0}), ValueError,
+         r"rank must", r"HINT: PowerSGD uses 1-4"),
+    Case("compressor-chunk-size", "algorithm Compressor",
+         "HierSyncStrategy(compression='int8', compression_options={'chunk_size': 0})",
+         lambda: HierSyncStrategy(compression="int8", compression_options={"chunk_size": 0}), ValueError,
+         r"chunk_size", r"HINT: the default 256"),
+    Case("compressor-rounding", "algorithm Compressor", "Compressor('int8', rounding='up')",
+         lambda: Compressor("int8", rounding="up"), ValueError, r"rounding", r"HINT: 'stochastic'"),
+    Case("compressor-integer-tensor", "algorithm Compressor",
+         "Compressor('int8').allreduce(torch.arange(8), ...)",
+         lambda: Compressor("int8").allreduce(torch.arange(8), group=None, key="steps"), ValueError,
+         r"floating-point tensor, got torch\.int64", r"HINT: non-float parameters", CALL),
+    Case("compressor-sparse-gradient", "algorithm Compressor",
+         "Compressor('sign').allreduce(<sparse gradient>, ...)",
+         lambda: Compressor("sign").allreduce(_sparse_grad(), group=None, key="emb"), ValueError,
+         r"dense tensor, got layout torch\.sparse_coo", r"HINT: densify it", CALL),
+    # other algorithms
+    Case("compensation-method", "algorithm StaleGradientCompensation", "StaleGradientCompensation('dc')",
+         lambda: StaleGradientCompensation("dc"), ValueError, r"compensation must", r"HINT: 'dc_asgd_adaptive'"),
+    Case("balancer-groups", "algorithm BatchBalancer", "BatchBalancer(global_batch=7, world_size=2, groups=[[0], [1]])",
+         lambda: BatchBalancer(7, 2, groups=[[0], [1]]), ValueError, r"global batch 7", r"make it a multiple of 2"),
+    Case("costmodel-straggler", "algorithm ScalingModel", "ScalingModel(..., straggler_factor=0.5)",
+         _scaling_model(straggler_factor=0.5), ValueError, r"straggler_factor", r"HINT: 1 is no straggler"),
+    # callbacks
+    Case("monitor-smoothing", "callback SyncMonitor", "SyncMonitor(smoothing=1.0)",
+         lambda: SyncMonitor(smoothing=1.0), ValueError, r"smoothing", r"0\.9 is a good default"),
+    Case("monitor-warmup", "callback SyncMonitor", "SyncMonitor(warmup_steps=-1)",
+         lambda: SyncMonitor(warmup_steps=-1), ValueError, r"warmup_steps", r"HINT: 0 aggregates every step"),
+    Case("adaptive-interval", "callback AdaptiveBatchSize", "AdaptiveBatchSize(interval=0)",
+         lambda: AdaptiveBatchSize(interval=0), ValueError, r"interval", r"HINT: 10 decides every 10 batches"),
+    Case("adaptive-min-max", "callback AdaptiveBatchSize", "AdaptiveBatchSize(min_batch=4, max_batch=2)",
+         lambda: AdaptiveBatchSize(min_batch=4, max_batch=2), ValueError, r"min_batch \(4\) > max_batch \(2\)",
+         r"lower min_batch or raise max_batch"),
+    Case("adaptive-loss-reduction", "callback AdaptiveBatchSize", "AdaptiveBatchSize(loss_reduction='avg')",
+         lambda: AdaptiveBatchSize(loss_reduction="avg"), ValueError, r"loss_reduction", r"HINT: 'mean'"),
+    Case("adaptive-iterable", "callback AdaptiveBatchSize", "AdaptiveBatchSize() with an IterableDataset",
+         _fit(AdaptiveBatchSize(), model=_StreamModel()), TypeError, r"AdaptiveBatchSize needs a map-style dataset",
+         r"Use a map-style dataset, or drop AdaptiveBatchSize", SETUP),
+    Case("adaptive-grow-accumulate", "callback AdaptiveBatchSize",
+         "AdaptiveBatchSize(grow_batch=True) with Trainer(accumulate_grad_batches=2)",
+         _fit(AdaptiveBatchSize(grow_batch=True), accumulate_grad_batches=2), ValueError,
+         r"accumulate_grad_batches=2", r"or set grow_batch=False", SETUP),
+    Case("switcher-window", "callback SyncSwitcher", "SyncSwitcher(window=1)",
+         lambda: SyncSwitcher(window=1), ValueError, r"window must", r"HINT: 10 decides every 10 steps"),
+    Case("switcher-straggler", "callback SyncSwitcher", "SyncSwitcher(straggler_low=1.5, straggler_high=1.3)",
+         lambda: SyncSwitcher(straggler_low=1.5, straggler_high=1.3), ValueError, r"straggler_low",
+         r"HINT: .*e\.g\. 1\.15 and 1\.3"),
+    Case("switcher-comm-high", "callback SyncSwitcher", "SyncSwitcher(comm_high=1.5)",
+         lambda: SyncSwitcher(comm_high=1.5), ValueError, r"comm_high", r"HINT: 0\.35"),
+    Case("switcher-strategy", "callback SyncSwitcher", "SyncSwitcher() with Trainer(strategy='auto')",
+         _fit(SyncSwitcher()), ValueError, r"strategy='auto_sync'", r"HINT: Trainer\(strategy='auto_sync'", SETUP),
+    Case("straggler-factor", "callback StragglerEmulator", "StragglerEmulator(slowdown='3:0.5')",
+         lambda: StragglerEmulator(slowdown="3:0.5"), ValueError, r"slowdown factor", r"e\.g\. slowdown=3:1\.5"),
+    Case("straggler-env-jitter", "callback StragglerEmulator", "SYNCASYNC_JITTER=2:4",
+         lambda: StragglerEmulator.from_env({"SYNCASYNC_JITTER": "2:4"}), ValueError,
+         r"SYNCASYNC_JITTER='2:4'", r"e\.g\. jitter=0\.1:4"),
+    Case("straggler-env-schedule", "callback StragglerEmulator", "SYNCASYNC_SLOWDOWN_SCHEDULE=1:2@0.7-0.2",
+         lambda: StragglerEmulator.from_env({"SYNCASYNC_SLOWDOWN_SCHEDULE": "1:2@0.7-0.2"}), ValueError,
+         r"SYNCASYNC_SLOWDOWN_SCHEDULE", r"e\.g\. 3:2@0\.33-0\.67"),
+    Case("straggler-env-seed", "callback StragglerEmulator", "SYNCASYNC_JITTER=0.1:4 SYNCASYNC_STRAGGLER_SEED=x",
+         lambda: StragglerEmulator.from_env({"SYNCASYNC_JITTER": "0.1:4", "SYNCASYNC_STRAGGLER_SEED": "x"}),
+         ValueError, r"SYNCASYNC_STRAGGLER_SEED", r"HINT: syncasync-emulate --seed"),
+    # the Hydra train app
+    Case("hydra-devices", "Hydra train app", "trainer.devices=0", _train_app("trainer.devices=0"), ValueError,
+         r"trainer\.devices=0", r"HINT: use a positive count", VALIDATION),
+    Case("hydra-num-nodes", "Hydra train app", "trainer.num_nodes=0", _train_app("trainer.num_nodes=0"), ValueError,
+         r"trainer\.num_nodes=0", r"HINT: use trainer\.num_nodes=1", VALIDATION),
+    Case("hydra-strategy-name", "Hydra train app", "~strategy trainer.strategy=hier_sink",
+         _train_app("~strategy", "trainer.strategy=hier_sink"), ValueError, r"trainer\.strategy='hier_sink'",
+         r"HINT: pick a config group", VALIDATION),
+    Case("hydra-strategy-group", "Hydra train app", "strategy=hier_sink", _train_app("strategy=hier_sink"),
+         ConfigCompositionException, r"strategy/hier_sink", r"Available options in 'strategy'", COMPOSITION),
+    Case("hydra-staleness", "Hydra train app", "strategy=async_ssp strategy.staleness=-1",
+         _train_app("strategy=async_ssp", "strategy.staleness=-1"), InstantiationException, r"staleness",
+         r"HINT: 0 is synchronous"),
+    Case("hydra-post-local-sgd-compression", "Hydra train app", "strategy=ddp_post_local_sgd strategy.compression=int8",
+         _train_app("strategy=ddp_post_local_sgd", "strategy.compression=int8"), InstantiationException,
+         r"compression='int8'", r"HINT: use hier_sync with compression"),
+    Case("hydra-callback", "Hydra train app", "callbacks.sync_monitor.smoothing=1.5",
+         _train_app("callbacks.sync_monitor.smoothing=1.5"), InstantiationException, r"smoothing",
+         r"0\.9 is a good default"),
+    Case("hydra-model", "Hydra train app", "model.depth=0", _train_app("model.depth=0"), InstantiationException,
+         r"depth", r"set model\.depth to e\.g\. 2"),
+    # the Lightning CLI
+    Case("cli-strategy-name", "Lightning CLI", "--trainer.strategy=hier_sink",
+         _lightning_cli("--trainer.strategy=hier_sink"), ValueError, r"strategy='hier_sink'",
+         r"Find a complete list of options", TRAINER),
+    Case("cli-hier-inter-period", "Lightning CLI",
+         "--trainer.strategy=HierSyncStrategy --trainer.strategy.init_args.inter_period=0",
+         _lightning_cli("--trainer.strategy=HierSyncStrategy", "--trainer.strategy.init_args.inter_period=0"),
+         ValueError, r"inter_period", r"HINT: 1 averages"),
+    Case("cli-ssp-compression", "Lightning CLI",
+         "--trainer.strategy=AsyncSSPStrategy --trainer.strategy.init_args.compression=zip",
+         _lightning_cli("--trainer.strategy=AsyncSSPStrategy", "--trainer.strategy.init_args.compression=zip"),
+         ValueError, r"compression must", r"HINT: 'int8'"),
+    Case("cli-callback", "Lightning CLI",
+         "--trainer.callbacks+=AdaptiveBatchSize --trainer.callbacks.init_args.interval=0",
+         _lightning_cli("--trainer.callbacks+=AdaptiveBatchSize", "--trainer.callbacks.init_args.interval=0"),
+         ValueError, r"interval", r"HINT: 10 decides"),
+    # syncasync-emulate
+    Case("emulate-link-without-netns", "syncasync-emulate", "--no-netns --link-mbit 100",
+         _emulate("--no-netns", "--link-mbit", "100", "--", "true"), CommandFailed, r"--link-mbit",
+         r"drop --no-netns or drop --link-mbit", PARSING),
+    Case("emulate-no-command", "syncasync-emulate", "(no training command after --)", _emulate(), CommandFailed,
+         r"no training command", r"put it after --", PARSING),
+    Case("emulate-straggler-form", "syncasync-emulate", "--straggler 3", _emulate("--straggler", "3", "--", "true"),
+         CommandFailed, r"--straggler '3'", r"e\.g\. 3:1\.5", PARSING),
+    Case("emulate-jitter", "syncasync-emulate", "--jitter 2:4", _emulate("--jitter", "2:4", "--", "true"),
+         CommandFailed, r"jitter probability", r"e\.g\. jitter=0\.1:4", LAUNCH),
+    Case("emulate-schedule", "syncasync-emulate", "--straggler-schedule 1:2@0.7-0.2",
+         _emulate("--straggler-schedule", "1:2@0.7-0.2", "--", "true"), CommandFailed, r"schedule item",
+         r"e\.g\. 3:2@0\.33-0\.67", LAUNCH),
+    Case("emulate-without-root", "syncasync-emulate", "--link-mbit 100 (as a user without root)",
+         _emulate_without_root, CommandFailed, r"network namespaces", r"HINT: run it with sudo, or pass --no-netns",
+         LAUNCH),
+    # syncasync-advise
+    Case("advise-seconds", "syncasync-advise", "--seconds 0", _advise("--seconds", "0"), CommandFailed,
+         r"--seconds must be", r"HINT: e\.g\. --seconds 5", PARSING),
+    Case("advise-seconds-text", "syncasync-advise", "--seconds abc", _advise("--seconds", "abc"), CommandFailed,
+         r"--seconds 'abc'", r"HINT: e\.g\. --seconds 5", PARSING),
+    Case("advise-simulate-nodes", "syncasync-advise", "--simulate-nodes 8,x", _advise("--simulate-nodes", "8,x"),
+         CommandFailed, r"--simulate-nodes", r"HINT: e\.g\. 8,64,512", PARSING),
+    Case("advise-strategies", "syncasync-advise", "--strategies ddp,hier_sink",
+         _advise("--strategies", "ddp,hier_sink"), CommandFailed, r"--strategies: unknown \['hier_sink'\]",
+         r"HINT: a comma-separated subset", PARSING),
+    Case("advise-reps", "syncasync-advise", "--reps 0", _advise("--reps", "0"), CommandFailed, r"--reps",
+         r"HINT: e\.g\. --reps 3", PARSING),
+    Case("advise-params", "syncasync-advise", "--params no_such_params.json",
+         _advise("--params", "no_such_params.json"), CommandFailed, r"--params no_such_params\.json",
+         r"HINT: pass the file written by --calibrate", LAUNCH),
+]  # fmt: skip
+
+
+def _fp16_hook() -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return fp16_compress_hook
+
+
+def _sparse_grad() -> torch.Tensor:
+    return torch.sparse_coo_tensor([[0, 2]], [1.0, -1.0], (4,))
+
+
+# -- running a case ---------------------------------------------------------------------------------------------------
+
+
+def _skip_reason(case: Case) -> str | None:
+    return case.skip() if case.skip is not None else None
+
+
+@functools.cache
+def _outcome(slug: str) -> BaseException | None:
+    """What the case raised (``None``: it was accepted), run once per session: the test and the docs share it."""
+    case = next(c for c in CASES if c.slug == slug)
+    started = TrainingStarted(f"{case.setting}: training started; it must be rejected before the first batch")
+    with mock.patch.object(_TrainingEpochLoop, "advance", side_effect=started):
+        try:
+            case.attempt()
+        except (Exception, SystemExit) as err:
+            return err.with_traceback(None)
+    return None
+
+
+def _message(err: BaseException) -> str:
+    """The text a user sees: the message and the causes a wrapper (Hydra) prints with it."""
+    parts = [str(err)]
+    cause = err.__cause__
+    while cause is not None:
+        if str(cause) not in "\n".join(parts):
+            parts.append(str(cause))
+        cause = cause.__cause__
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.slug for c in CASES])
+def test_rejected_before_training_naming_the_setting_and_the_fix(case: Case):
+    reason = _skip_reason(case)
+    if reason:
+        pytest.skip(reason)
+    err = _outcome(case.slug)
+    assert err is not None, f"{case.surface}: {case.setting} was accepted"
+    assert not isinstance(err, TrainingStarted), str(err)
+    assert isinstance(err, case.error), (
+        f"{case.setting}: expected {case.error.__name__}, got {type(err).__name__}: {err}"
+    )
+    if isinstance(err, CommandFailed):
+        assert err.code not in (0, None)
+    message = _message(err)
+    assert re.search(case.name, message), f"{case.setting}: the message does not name the setting: {message}"
+    assert re.search(case.fix, message), f"{case.setting}: the message gives no fix: {message}"
+
+
+def test_the_table_covers_every_surface():
+    slugs = [c.slug for c in CASES]
+    assert len(slugs) == len(set(slugs)) and len(CASES) >= 30
+    surfaces = {c.surface for c in CASES}
+    for surface in (
+        "strategy hier_sync", "strategy async_ssp", "strategy auto_sync", "strategy ddp_measured",
+        "strategy deepspeed_cpu", "algorithm Compressor", "callback SyncMonitor", "callback AdaptiveBatchSize",
+        "callback SyncSwitcher", "callback StragglerEmulator", "Hydra train app", "Lightning CLI",
+        "syncasync-emulate", "syncasync-advise",
+    ):  # fmt: skip
+        assert surface in surfaces, surface
+
+
+# -- the docs table ---------------------------------------------------------------------------------------------------
+
+HEADER = """\
+# Rejected invalid configurations
+
+Generated by `SYNCASYNC_WRITE_DOCS=1 python -m pytest tests/test_bad_input.py` from `CASES` in
+`tests/test_bad_input.py`; do not edit by hand. Every row is a test: the setting is rejected before training starts,
+with a message that names the setting and says how to fix it. The message column shows the start of the message the
+code raised when this file was generated, from its first line naming the setting ("…" marks lines left out before it,
+such as Hydra's or jsonargparse's own).
+"""
+
+
+def _excerpt(message: str, name: str) -> str:
+    """About ``MESSAGE_CHARS`` characters of ``message`` from its first line naming the setting."""
+    lines = message.splitlines()
+    at = next((i for i, line in enumerate(lines) if re.search(name, line)), 0)
+    flat = " ".join(" ".join(lines[at:]).split()).removeprefix("- ")
+    if at:
+        flat = "… " + flat
+    if len(flat) > MESSAGE_CHARS:
+        flat = flat[: MESSAGE_CHARS - 1].rstrip() + "…"
+    return flat
+
+
+def _code(text: str) -> str:
+    text = text.replace("|", "\\|")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def render_markdown(cases: Sequence[Case] = CASES) -> str:
+    """``docs/bad_input.md``: the table, with each case's message as raised now."""
+    rows = ["| Surface | Setting | When rejected | Message |", "| --- | --- | --- | --- |"]
+    for case in cases:
+        err = _outcome(case.slug)
+        message = _excerpt(_message(err), case.name) if err is not None else "(accepted!)"
+        rows.append(f"| {case.surface} | {_code(case.setting)} | {case.when} | {_code(message)} |")
+    return f"{HEADER}\n{len(cases)} cases.\n\n" + "\n".join(rows) + "\n"
+
+
+def test_docs_table_is_up_to_date():
+    unavailable = [c.slug for c in CASES if _skip_reason(c)]
+    if unavailable:
+        pytest.skip(f"this machine cannot reproduce {unavailable}")
+    text = render_markdown()
+    if os.environ.get(ENV_WRITE_DOCS) == "1":
+        DOCS.parent.mkdir(exist_ok=True)
+        DOCS.write_text(text)
+        return
+    assert DOCS.is_file() and DOCS.read_text() == text, (
+        f"{DOCS} is out of date; regenerate it with {ENV_WRITE_DOCS}=1 python -m pytest tests/test_bad_input.py"
+    )
