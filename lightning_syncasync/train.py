@@ -90,11 +90,26 @@ def _rank() -> int:
     return 0
 
 
+def warn_if_restarts_will_fail(environ: dict[str, str] | None = None) -> str | None:
+    """torch 2.13's torchrun shares its rendezvous store with the workers; a restarted worker then reads the previous
+    attempt's gloo addresses and fails with ``Connection refused`` (pytorch/pytorch#135712). Say so up front."""
+    env = os.environ if environ is None else environ
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        msg = (
+            "torchrun --max-restarts is set but its rendezvous store is shared with the workers: a restart will fail "
+            "to reconnect; HINT: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"
+        )
+        log.warning(msg)
+        return msg
+    return None
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Fit (and optionally test) the configured job; return its results (also written to ``cfg.results_file``)."""
     import lightning.pytorch as pl
 
     validate_config(cfg)
+    warn_if_restarts_will_fail()
     if cfg.seed is not None:
         pl.seed_everything(cfg.seed, workers=True)
     output_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -61,3 +61,36 @@ def destroy_groups(*groups: Any) -> None:
             dist.destroy_process_group(group)
         except (ValueError, RuntimeError):  # already destroyed, or unknown to this process
             pass
+
+
+class InconsistentSettingsError(ValueError):
+    """Ranks were started with different values of a setting that must be the same everywhere."""
+
+
+def check_same_on_every_rank(owner: str, settings: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if any of ``settings`` differs between ranks (e.g. ``staleness=2`` on one node and 3 on
+    another, which would otherwise deadlock or silently diverge).
+
+    One all-gather of a CRC32 per setting: tensors only, nothing unpickled from other ranks. Every rank raises, naming
+    the settings that differ, its own value and the ranks that disagree with it.
+    """
+    import zlib
+
+    names = sorted(settings)
+    if not names or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return
+    mine = torch.tensor([zlib.crc32(repr(settings[n]).encode()) for n in names], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered)
+    bad = [i for i in range(len(names)) if not bool((table[:, i] == mine[i]).all())]
+    if bad:
+        parts = [
+            f"{names[i]}={settings[names[i]]!r} here (rank {dist.get_rank()}), different on ranks "
+            f"{[r for r in range(table.shape[0]) if table[r, i] != mine[i]]}"
+            for i in bad
+        ]
+        raise InconsistentSettingsError(
+            f"{owner}: settings differ across ranks: {'; '.join(parts)}; HINT: every node must start with the same "
+            "configuration (check each node's overrides and environment)"
+        )

@@ -3,7 +3,12 @@ so a setting is rejected the same way whichever strategy takes it."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
@@ -22,14 +27,58 @@ def check_common(
     cross-node averaging") says why the strategy communicates by itself."""
     if peer_timeout_s <= 0:
         raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
-    Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]
+    check_compression_options(compression, compression_options)
     if ddp_kwargs.get("ddp_comm_hook") or ddp_kwargs.get("model_averaging_period"):
-        raise ValueError(f"{owner}; drop ddp_comm_hook/model_averaging_period")
+        raise ValueError(f"{owner}; HINT: drop ddp_comm_hook/model_averaging_period")
+
+
+def check_compression_options(compression: str, options: dict[str, Any] | None) -> None:
+    """Known keys only (the strategy seeds each rank's compressor itself), then build one so bad values fail now."""
+    options = dict(options or {})
+    allowed = [p for p in inspect.signature(Compressor.__init__).parameters if p not in ("self", "method", "seed")]
+    if "seed" in options:
+        raise ValueError("compression_options['seed'] is set per rank by the strategy; HINT: drop it")
+    unknown = [k for k in options if k not in allowed]
+    if unknown:
+        raise ValueError(f"compression_options has unknown key(s) {unknown}; HINT: use some of {allowed}")
+    if options and compression in ("none", None):
+        raise ValueError(
+            f"compression_options={options} given with compression={compression!r}; HINT: set compression "
+            "(e.g. compression='int8') or drop the options"
+        )
+    Compressor(compression, **options)  # type: ignore[arg-type]
+
+
+_LIGHTNING_DDP = [p for p in inspect.signature(DDPStrategy.__init__).parameters if p not in ("self", "kwargs")]
+_TORCH_DDP = [
+    p
+    for p in inspect.signature(DistributedDataParallel.__init__).parameters
+    if p not in ("self", "module", "device_ids", "output_device", "process_group", "device_mesh")
+]
+
+
+def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
+    """Extra keywords must be Lightning ``DDPStrategy`` settings, or torch DDP settings when the strategy wraps the
+    model in DDP: a misspelt setting (``stalenes=3``) fails here instead of being ignored or failing in every
+    process at setup."""
+    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+    allowed = _LIGHTNING_DDP + (_TORCH_DDP if wraps_ddp else [])
+    for key in kwargs:
+        if key in allowed:
+            continue
+        close = difflib.get_close_matches(key, own + allowed, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"its settings are {own}"
+        extra = "" if wraps_ddp or key not in _TORCH_DDP else " (it does not wrap the model in torch DDP)"
+        name = getattr(cls, "strategy_name", cls.__name__)
+        raise ValueError(f"{key} is not a setting of {name}{extra}; HINT: {hint}")
 
 
 def check_node_size(node_size: int | None) -> None:
     if node_size is not None and node_size < 1:
-        raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
+        raise ValueError(
+            f"node_size must be >= 1 (or None for the real nodes), got {node_size}; HINT: None uses the real nodes, "
+            "2 makes virtual nodes of 2 ranks"
+        )
 
 
 def check_async(staleness: int | None, compensation: str, lam: float) -> None:
@@ -37,5 +86,8 @@ def check_async(staleness: int | None, compensation: str, lam: float) -> None:
     if staleness is not None and staleness < 0:
         raise ValueError(f"staleness must be >= 0 or None (ASP), got {staleness}; HINT: 0 is synchronous")
     if compensation not in COMPENSATIONS:
-        raise ValueError(f"compensation must be one of {COMPENSATIONS}, got {compensation!r}")
+        raise ValueError(
+            f"compensation must be one of {COMPENSATIONS}, got {compensation!r}; HINT: 'dc_asgd_adaptive' corrects "
+            "stale gradients, 'none' applies them as they are"
+        )
     StaleGradientCompensation(compensation, lam)  # type: ignore[arg-type]  # validates lam

@@ -1,13 +1,51 @@
-"""Every strategy of the pack ends a run with a lost peer fast and by name (issue 10): it adds a ``PeerWatchdog``."""
+"""What every strategy of the pack does for reliability (issue 10): a ``PeerWatchdog`` so a lost peer ends the run
+fast and by name, a setup-time check that every rank was started with the same settings, and
+:class:`~lightning_syncasync.plugins.AtomicCheckpointIO` as the default checkpoint I/O."""
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
+
+from lightning_syncasync.algorithms._comm import check_same_on_every_rank
+from lightning_syncasync.plugins.checkpoint_io import AtomicCheckpointIO
 
 
 class WatchedStrategy:
-    """Mixin (before the Lightning base) adding a :class:`~lightning_syncasync.callbacks.watchdog.PeerWatchdog` with
-    the strategy's ``peer_timeout_s`` (capped at 30 s) unless the user configured one."""
+    """Mixin (before the Lightning base): adds a :class:`~lightning_syncasync.callbacks.watchdog.PeerWatchdog` with
+    the strategy's ``peer_timeout_s`` (capped at 30 s) unless the user configured one, and checks at setup, on
+    every rank, that the constructor's settings are the same on every rank (a node started with ``staleness=3``
+    while the others have 2 would otherwise hang at an SSP gate or silently drift)."""
+
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:  # the user's plugin (Trainer(plugins=[...])) wins
+            self._checkpoint_io = AtomicCheckpointIO()
+        return super().checkpoint_io  # type: ignore[misc]
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    def consistent_settings(self) -> dict[str, Any]:
+        """The constructor settings that must agree across ranks: every plain-valued constructor argument kept as
+        an attribute of the same name."""
+        out = {}
+        for name in inspect.signature(type(self).__init__).parameters:
+            value = getattr(self, name, None) if name not in ("self", "kwargs") else None
+            if isinstance(value, (bool, int, float, str, tuple, list, dict)):
+                out[name] = value
+        return out
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()  # type: ignore[misc]
+        check_same_on_every_rank(getattr(self, "strategy_name", type(self).__name__), self.consistent_settings())
 
     @override
     def setup_environment(self) -> None:

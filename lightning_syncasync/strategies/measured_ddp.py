@@ -49,6 +49,7 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._checks import check_compression_options, check_kwargs, check_node_size
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
@@ -89,20 +90,23 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         compression_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        Compressor(compression, **(compression_options or {}))  # type: ignore[arg-type]  # bad options fail here
+        check_compression_options(compression, compression_options)  # bad options fail here, not in every rank
+        check_kwargs(type(self), kwargs, wraps_ddp=True)
         if compression != "none" and (local_sgd is not None or kwargs.get("ddp_comm_hook")):
             raise ValueError(
                 f"compression={compression!r} compresses the flat gradient all-reduce; it cannot be combined with "
                 "local_sgd or a ddp_comm_hook. HINT: use hier_sync with compression for compressed periodic averaging"
             )
         if local_sgd not in _MODES:
-            raise ValueError(f"local_sgd must be one of {_MODES}, got {local_sgd!r}")
+            raise ValueError(
+                f"local_sgd must be one of {_MODES}, got {local_sgd!r}; HINT: None is plain DDP, 'post_local_sgd' "
+                "is torch's PostLocalSGD, 'hierarchical' torch's HierarchicalModelAverager"
+            )
         if averaging_period < 1:
-            raise ValueError(f"averaging_period must be >= 1, got {averaging_period}")
+            raise ValueError(f"averaging_period must be >= 1, got {averaging_period}; HINT: 8, the default")
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if node_size is not None and node_size < 1:
-            raise ValueError(f"node_size must be >= 1 (or None for the real nodes), got {node_size}")
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; HINT: 0 starts local SGD at once")
+        check_node_size(node_size)
         if local_sgd is not None and (kwargs.get("ddp_comm_hook") or kwargs.get("model_averaging_period")):
             raise ValueError(
                 "local_sgd builds its own comm hook and averager; drop ddp_comm_hook/model_averaging_period "
