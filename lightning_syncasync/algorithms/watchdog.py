@@ -198,12 +198,13 @@ class Heartbeat:
             time.sleep(self.interval_s / 2)
 
     def publish(self, message: str) -> str:
-        """Publish ``message`` unless another rank published first; the verdict that stands is returned."""
+        """Publish ``message`` unless another rank published first; the verdict that stands is returned. A store
+        that cannot be reached is itself the verdict: its host is lost."""
         try:
             got = self.store.compare_set(self._key("lost"), "", message)
             return got.decode() if isinstance(got, bytes) else str(got)
-        except Exception:  # noqa: BLE001 - the store may be what is lost
-            return message
+        except Exception as err:  # noqa: BLE001 - the store may be what is lost
+            return f"{self.store_host} is lost: the rendezvous store refused rank {self.rank} ({err})"[:500]
 
     def _judge_loop(self) -> None:
         while not self._stop.wait(self.interval_s):

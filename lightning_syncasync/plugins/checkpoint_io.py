@@ -94,10 +94,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"{str(err).splitlines()[0][:200]}; HINT: resume from an earlier checkpoint in the same folder or "
                 "start without ckpt_path"
             ) from err
-        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-            keys = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-            raise CheckpointLoadError(
-                f"checkpoint {path} is not a Lightning checkpoint (it has {keys}, no 'state_dict'); HINT: for bare "
-                "weights use model.load_state_dict(torch.load(path)) before fit, without ckpt_path"
-            )
         return checkpoint
+
+
+def check_lightning_checkpoint(checkpoint: Any, path: _PATH) -> None:
+    """A checkpoint to resume from must be Lightning's (the plugin also loads other files for Lightning itself, e.g.
+    the spawn launcher's bare weights, so this check belongs to the strategy's ``load_checkpoint``)."""
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        keys = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointLoadError(
+            f"checkpoint {path} is not a Lightning checkpoint (it has {keys}, no 'state_dict'); HINT: for bare "
+            "weights use model.load_state_dict(torch.load(path)) before fit, without ckpt_path"
+        )

@@ -50,11 +50,8 @@ def check_compression_options(compression: str, options: dict[str, Any] | None) 
 
 
 _LIGHTNING_DDP = [p for p in inspect.signature(DDPStrategy.__init__).parameters if p not in ("self", "kwargs")]
-_TORCH_DDP = [
-    p
-    for p in inspect.signature(DistributedDataParallel.__init__).parameters
-    if p not in ("self", "module", "device_ids", "output_device", "process_group", "device_mesh")
-]
+_DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
+_TORCH_DDP = [p for p in _DDP_PARAMS if p not in ("self", "module", "device_ids", "output_device", "process_group")]
 
 
 def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
@@ -63,9 +60,11 @@ def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
     process at setup."""
     own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
     allowed = _LIGHTNING_DDP + (_TORCH_DDP if wraps_ddp else [])
-    for key in kwargs:
+    for key, value in kwargs.items():
         if key in allowed:
             continue
+        if key in _DDP_PARAMS and value == _DDP_PARAMS[key].default:
+            continue  # the Lightning CLI spells out every DDP argument at its default: harmless
         close = difflib.get_close_matches(key, own + allowed, n=1)
         hint = f"did you mean {close[0]}?" if close else f"its settings are {own}"
         extra = "" if wraps_ddp or key not in _TORCH_DDP else " (it does not wrap the model in torch DDP)"

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import check_same_on_every_rank
-from lightning_syncasync.plugins.checkpoint_io import AtomicCheckpointIO
+from lightning_syncasync.plugins.checkpoint_io import AtomicCheckpointIO, check_lightning_checkpoint
 
 
 class WatchedStrategy:
@@ -31,6 +31,11 @@ class WatchedStrategy:
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
         self._checkpoint_io = io
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+        check_lightning_checkpoint(checkpoint, checkpoint_path)
+        return checkpoint
 
     def consistent_settings(self) -> dict[str, Any]:
         """The constructor settings that must agree across ranks: every plain-valued constructor argument kept as

@@ -16,6 +16,7 @@ from _models import TinyModel
 from lightning.pytorch import Trainer
 
 from lightning_syncasync.plugins import AtomicCheckpointIO, CheckpointLoadError
+from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 
 pytestmark = pytest.mark.faults
 
@@ -80,10 +81,13 @@ def test_truncated_foreign_and_unsafe_checkpoints_are_refused_clearly(tmp_path):
     ):
         _fit_from(tmp_path, truncated)
 
+    # A file of bare weights given as the checkpoint to resume from: our strategies refuse it by name (the plugin
+    # alone must load it: Lightning's spawn launcher passes bare weights through it).
     foreign = tmp_path / "weights.pt"
     torch.save(TinyModel().state_dict(), foreign)
+    assert set(AtomicCheckpointIO().load_checkpoint(foreign)) == set(TinyModel().state_dict())
     with pytest.raises(CheckpointLoadError, match=r"weights\.pt is not a Lightning checkpoint.*HINT: for bare weights"):
-        _fit_from(tmp_path, foreign)
+        AsyncSSPStrategy().load_checkpoint(foreign)
 
     unsafe = tmp_path / "unsafe.ckpt"
     torch.save({"state_dict": {}, "payload": Path("/etc/passwd")}, unsafe)  # an arbitrary object: needs unpickling

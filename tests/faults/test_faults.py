@@ -57,7 +57,8 @@ def _check_survivors(res: dict, strategy: str, lost: int, label: str, bound_s: f
         assert report.exit_codes[r] not in (0, None, -15, -9), (r, report.exit_codes, logs[r][-3000:])
         assert report.exit_times[r] is not None
         named = re.search(rf"PeerLostError.*rank {lost} (is lost|failed)|rank {lost} \(", logs[r])
-        assert named, f"rank {r} did not name rank {lost}:\n{logs[r][-3000:]}"
+        said = [line for line in logs[r].splitlines() if "PeerLostError" in line or "lost" in line]
+        assert named, f"rank {r} did not name rank {lost}: {said}\n{logs[r][-2000:]}"
     detect = max(report.exit_times[r] for r in survivors) - res["fault_t"]
     print(f"\nFAULT-TIMING {strategy} {label}: last survivor exited {detect:.1f}s after the fault "
           f"(timeout {TIMEOUT_S:g}s), exit codes {report.exit_codes}")  # fmt: skip
