@@ -199,12 +199,21 @@ class Heartbeat:
 
     def publish(self, message: str) -> str:
         """Publish ``message`` unless another rank published first; the verdict that stands is returned. A store
-        that cannot be reached is itself the verdict: its host is lost."""
-        try:
-            got = self.store.compare_set(self._key("lost"), "", message)
-            return got.decode() if isinstance(got, bytes) else str(got)
-        except Exception as err:  # noqa: BLE001 - the store may be what is lost
-            return f"{self.store_host} is lost: the rendezvous store refused rank {self.rank} ({err})"[:500]
+        that refuses the call is itself the verdict (its host is lost); one that does not answer within two
+        heartbeats (a cut link: TCP retransmits, no error) leaves ``message`` standing. Never blocks longer."""
+        result = [message]
+
+        def call() -> None:
+            try:
+                got = self.store.compare_set(self._key("lost"), "", message)
+                result[0] = got.decode() if isinstance(got, bytes) else str(got)
+            except Exception as err:  # noqa: BLE001 - the store may be what is lost
+                result[0] = f"{self.store_host} is lost: the rendezvous store refused rank {self.rank} ({err})"[:500]
+
+        t = threading.Thread(target=call, name="syncasync-watchdog-publish", daemon=True)
+        t.start()
+        t.join(timeout=2 * self.interval_s)
+        return result[0]
 
     def _judge_loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -7,7 +7,7 @@ The faults are the ones distributed training meets on real clusters:
 * ``raise``: it raises ``RuntimeError`` (a bug on one rank);
 * ``cut``: its node's network interface goes down for ``seconds`` and comes back (a switch or cable fault). Needs
   ``syncasync-emulate`` with network namespaces (the interface is ``GLOO_SOCKET_IFNAME``) and root; the link is
-  brought back by a detached shell, so it comes back even if this process dies meanwhile.
+  brought back by a child shell, so it comes back even if this process dies meanwhile.
 
 Specs, also from the environment variable ``SYNCASYNC_FAULT`` (set by ``syncasync-emulate --fault``):
 ``kill:1@5`` (rank 1 at step 5), ``stop:2@4``, ``raise:0@3``, ``cut:2@6+3`` (rank 2, step 6, 3 seconds).
@@ -114,6 +114,6 @@ class FaultInjector(Callback):
         else:
             ifname = os.environ["GLOO_SOCKET_IFNAME"]
             subprocess.run(["ip", "link", "set", "dev", ifname, "down"], check=True)
-            subprocess.Popen(  # noqa: S603 - fixed arguments
-                ["sh", "-c", f"sleep {s.seconds}; ip link set dev {ifname} up"], start_new_session=True
-            )
+            # In this process's group: it outlives this process if the rank dies, and the emulator's clean-up
+            # (which signals each rank's whole group) still ends it.
+            subprocess.Popen(["sh", "-c", f"sleep {s.seconds}; ip link set dev {ifname} up"])  # noqa: S603

@@ -1,6 +1,6 @@
 """One rank of a fault-injection job, started by ``EmulatedCluster`` with torchrun's environment.
 
-``python fault_job.py STRATEGY COMPRESSION TIMEOUT_S OUT_DIR``: trains ``TinyModel`` for many steps with the named
+``python fault_job.py STRATEGY COMPRESSION TIMEOUT_S OUT_DIR [MAX_STEPS]``: trains ``TinyModel`` with the named
 strategy (``ddp`` is Lightning's own, plus our ``PeerWatchdog``), while ``SYNCASYNC_FAULT`` makes one rank fail.
 Each rank records in ``OUT_DIR/rank{r}.json`` how it ended (the exception, if any, and its time).
 """
@@ -49,13 +49,14 @@ def build(name: str, compression: str, timeout_s: float):
 
 def main() -> None:
     name, compression, timeout_s, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), Path(sys.argv[4])
+    max_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 100_000
     rank = int(os.environ["RANK"])
     strategy, callbacks = build(name, compression, timeout_s)
     fault = FaultInjector.from_env()
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
-        max_steps=100_000, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, *([fault] if fault else [])],
     )  # fmt: skip
     torch.manual_seed(0)

@@ -11,7 +11,9 @@ failure table comes from them: ``pytest -m faults -s | grep FAULT-TIMING``).
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +103,50 @@ def test_a_rank_that_raises_is_named_as_the_origin(tmp_path):
     assert "injected fault on rank 2" in res["records"][2]["error"]
     _check_survivors(res, "ddp", lost=2, label="exception", bound_s=TIMEOUT_S + 1 + 10)
     assert any("rank 2 failed: RuntimeError: injected fault" in res["logs"][r] for r in (0, 1))
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2"
+)
+CUT_TIMEOUT_S = 15.0  # above a 2 s cut plus TCP's retransmission back-off (0.2+0.4+0.8+1.6+3.2 s)
+
+
+def _run_cut(tmp_path: Path, seconds: float, max_steps: int) -> tuple:
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = EmulatedCluster(nodes=2, procs_per_node=1, link_mbit=1000, netns=True, cgroups=False,
+                              log_dir=tmp_path / "logs", grace_s=30.0, echo_rank0=False,
+                              fault=f"cut:1@20+{seconds:g}")  # fmt: skip
+    report = cluster.run([sys.executable, JOB, "ddp", "none", str(CUT_TIMEOUT_S), str(out), str(max_steps)],
+                         timeout_s=150)  # fmt: skip
+    logs = [(tmp_path / "logs" / f"rank{r}.log").read_text(errors="replace") for r in range(2)]
+    assert "syncasync-fault: rank 1 cut at step 20" in logs[1], logs[1][-3000:]
+    return report, logs
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(200)
+def test_a_short_link_cut_is_survived(tmp_path):
+    report, logs = _run_cut(tmp_path, seconds=2, max_steps=60)
+    assert report.exit_codes == [0, 0], [log[-2000:] for log in logs]
+    assert not any("PeerLostError" in log for log in logs)
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(200)
+def test_a_long_link_cut_ends_the_job_naming_the_other_side(tmp_path):
+    report, logs = _run_cut(tmp_path, seconds=40, max_steps=100_000)
+    stamp = float(re.search(r"syncasync-fault: rank 1 cut at step 20 \(t=([\d.]+)\)", logs[1])[1])
+    assert all(c not in (0, None, -15, -9) for c in report.exit_codes), report.exit_codes
+    # Each side names the other: node 0 sees rank 1's heartbeat stop, rank 1 loses the store on node 0 (rank 0).
+    assert re.search(r"PeerLostError.*rank 1 is lost", logs[0]), logs[0][-2000:]
+    assert re.search(r"PeerLostError.*rank 0 .*is lost", logs[1]), logs[1][-2000:]
+    detect = max(report.exit_times) - stamp
+    print(f"\nFAULT-TIMING ddp link cut 40s: both sides exited {detect:.1f}s after the cut "
+          f"(timeout {CUT_TIMEOUT_S:g}s)")  # fmt: skip
+    assert detect <= CUT_TIMEOUT_S + 1 + 10
+    # The shell that would bring the link back went with its rank's process group; the namespaces are gone.
+    assert subprocess.run(["pgrep", "-f", "sleep 40; ip link"], capture_output=True).returncode == 1
+    assert "syncasync" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
