@@ -94,3 +94,26 @@ def check_same_on_every_rank(owner: str, settings: dict[str, Any], group: dist.P
             f"{owner}: settings differ across ranks: {'; '.join(parts)}; HINT: every node must start with the same "
             "configuration (check each node's overrides and environment)"
         )
+
+
+def all_gather_state(state: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``state`` (nested dicts/lists of tensors and plain values, the same layout on every rank, e.g.
+    a compressor's residuals), on every rank, in rank order.
+
+    Tensors only on the wire (one all-gather per tensor): unlike ``all_gather_object`` nothing received from another
+    rank is unpickled. The layout (keys, shapes, dtypes and the plain values) is checked equal on every rank first.
+    """
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(state)
+    layout = repr((spec, [(tuple(x.shape), str(x.dtype)) if torch.is_tensor(x) else x for x in leaves]))
+    check_same_on_every_rank("checkpoint state", {"layout": layout}, group)
+    world = dist.get_world_size(group)
+    per_rank = [list(leaves) for _ in range(world)]
+    for i, leaf in enumerate(leaves):
+        if torch.is_tensor(leaf):
+            out = [torch.empty_like(leaf) for _ in range(world)]
+            dist.all_gather(out, leaf.contiguous(), group=group)
+            for r in range(world):
+                per_rank[r][i] = out[r]
+    return [tree_unflatten(x, spec) for x in per_rank]

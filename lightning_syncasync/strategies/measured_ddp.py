@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import all_gather_state, destroy_groups
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
 from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -251,14 +251,12 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Every rank's residuals differ: gather them all into the one file rank 0 writes (tensors on the wire, no
+        # unpickling of what other ranks send).
         if self._onebit():
-            onebit: list[Any] = [None] * self.world_size
-            dist.all_gather_object(onebit, [o.compressor.state_dict() for o in self._onebit()])
-            checkpoint[_ONEBIT_KEY] = onebit
+            checkpoint[_ONEBIT_KEY] = all_gather_state([o.compressor.state_dict() for o in self._onebit()])
         if self._compressed is not None:
-            # Every rank's residuals differ: gather them all into the one file rank 0 writes.
-            states: list[Any] = [None] * self.world_size
-            dist.all_gather_object(states, self._compressed.state_dict())
+            states = all_gather_state(self._compressed.state_dict())
             checkpoint[_CKPT_KEY] = {"world_size": self.world_size, "ranks": states}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 

@@ -97,10 +97,20 @@ def test_onebit_adam_under_ddp_measured_stops_gradient_traffic_after_warmup(tmp_
     out.mkdir()
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy=MeasuredDDPStrategy(start_method="fork"), max_steps=8, logger=False,
-        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), RecordParams(str(out))],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), RecordParams(str(out)),
+                   ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=8, filename="last")],
+        enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(TinyOneBitModel())
+    # Each rank's 1-bit residuals reach the checkpoint (gathered as tensors), and it loads with weights_only=True.
+    ranks = torch.load(out / "ckpt" / "last.ckpt", weights_only=True)["syncasync_onebit_adam"]
+    assert (
+        len(ranks) == 2
+        and ranks[0][0]["residuals"]
+        and ranks[0][0]["residuals"].keys() == ranks[1][0]["residuals"].keys()
+    )
+    key = next(iter(ranks[0][0]["residuals"]))
+    assert not torch.equal(ranks[0][0]["residuals"][key], ranks[1][0]["residuals"][key])  # per rank, not rank 0's
     steps = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     for a, b in zip(*steps, strict=True):
         torch.testing.assert_close(a, b)  # replicas agree every step, during and after warm-up
