@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,30 @@ def _scaling_model(**kwargs: Any) -> Callable[[], None]:
 
 # -- the table ---------------------------------------------------------------------------------------------------------
 
+
+class _StalenessPerRank(AsyncSSPStrategy):
+    """A node started with its own ``staleness`` (2 on rank 0, 3 on rank 1): a cross-rank mismatch."""
+
+    def setup_distributed(self):
+        self.staleness = 2 + self.local_rank
+        try:
+            super().setup_distributed()
+        except ValueError:
+            if self.local_rank:  # both ranks raise; rank 0's is the one reported, so the docs table is stable
+                time.sleep(1.0)
+            raise
+
+
+def _mismatched_staleness_fit() -> None:
+    from _models import TinyModel
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=_StalenessPerRank(start_method="fork"), max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)  # fmt: skip
+    trainer.fit(TinyModel())
+
+
 CASES: list[Case] = [
     # strategy hier_sync
     Case("hier-inter-period", "strategy hier_sync", "HierSyncStrategy(inter_period=0)",
@@ -232,6 +257,21 @@ CASES: list[Case] = [
     Case("hier-comm-hook", "strategy hier_sync", "HierSyncStrategy(model_averaging_period=4)",
          lambda: HierSyncStrategy(model_averaging_period=4), ValueError, r"model_averaging_period",
          r"drop ddp_comm_hook/model_averaging_period"),
+    Case("hier-typo-kwarg", "strategy hier_sync", "HierSyncStrategy(inter_perod=4)",
+         lambda: HierSyncStrategy(inter_perod=4), ValueError, r"inter_perod is not a setting of hier_sync",
+         r"HINT: did you mean inter_period\?"),
+    Case("hier-compression-option-key", "strategy hier_sync",
+         "HierSyncStrategy(compression='int8', compression_options={'chunk': 64})",
+         lambda: HierSyncStrategy(compression="int8", compression_options={"chunk": 64}), ValueError,
+         r"compression_options has unknown key", r"HINT: use some of .*chunk_size"),
+    Case("hier-compression-option-seed", "strategy hier_sync",
+         "HierSyncStrategy(compression='int8', compression_options={'seed': 1})",
+         lambda: HierSyncStrategy(compression="int8", compression_options={"seed": 1}), ValueError,
+         r"compression_options\['seed'\]", r"HINT: drop it"),
+    Case("hier-options-without-compression", "strategy hier_sync",
+         "HierSyncStrategy(compression_options={'chunk_size': 64})",
+         lambda: HierSyncStrategy(compression_options={"chunk_size": 64}), ValueError,
+         r"compression_options=.* given with compression='none'", r"HINT: set compression"),
     # strategy async_ssp
     Case("ssp-staleness", "strategy async_ssp", "AsyncSSPStrategy(staleness=-1)",
          lambda: AsyncSSPStrategy(staleness=-1), ValueError, r"staleness", r"HINT: 0 is synchronous"),
@@ -239,6 +279,16 @@ CASES: list[Case] = [
          lambda: AsyncSSPStrategy(lam=-0.5), ValueError, r"lam must", r"HINT: 0 turns DC-ASGD off"),
     Case("ssp-exchange-every", "strategy async_ssp", "AsyncSSPStrategy(exchange_every=0)",
          lambda: AsyncSSPStrategy(exchange_every=0), ValueError, r"exchange_every", r"HINT: 1 exchanges every step"),
+    Case("ssp-typo-kwarg", "strategy async_ssp", "AsyncSSPStrategy(stalenes=3)",
+         lambda: AsyncSSPStrategy(stalenes=3), ValueError, r"stalenes is not a setting of async_ssp",
+         r"HINT: did you mean staleness\?"),
+    Case("ssp-ddp-kwarg", "strategy async_ssp", "AsyncSSPStrategy(find_unused_parameters=True)",
+         lambda: AsyncSSPStrategy(find_unused_parameters=True), ValueError,
+         r"find_unused_parameters is not a setting of async_ssp \(it does not wrap the model in torch DDP\)",
+         r"HINT: its settings are"),
+    Case("ssp-staleness-differs-across-ranks", "strategy async_ssp",
+         "staleness=2 on one node, staleness=3 on another", _mismatched_staleness_fit, Exception,
+         r"staleness=.* different on ranks", r"HINT: every node must start with the same configuration", SETUP),
     # strategy auto_sync
     Case("auto-staleness", "strategy auto_sync", "AutoSyncStrategy(staleness=-2)",
          lambda: AutoSyncStrategy(staleness=-2), ValueError, r"staleness", r"HINT: 0 is synchronous"),
