@@ -118,20 +118,28 @@ class EmulatedCluster:
         fault: str = "",
     ) -> None:
         if nodes < 1:
-            raise ValueError(f"--nodes must be >= 1, got {nodes}")
+            raise ValueError(f"--nodes must be >= 1, got {nodes}; HINT: e.g. --nodes 2")
         if procs_per_node < 1:
-            raise ValueError(f"--procs-per-node must be >= 1, got {procs_per_node}")
+            raise ValueError(f"--procs-per-node must be >= 1, got {procs_per_node}; HINT: e.g. --procs-per-node 2")
         self.world_size = nodes * procs_per_node
         self.stragglers = dict(stragglers or {})
         for rank, factor in self.stragglers.items():
             if not 0 <= rank < self.world_size:
-                raise ValueError(f"--straggler rank {rank} is outside the world of {self.world_size} ranks")
+                raise ValueError(
+                    f"--straggler rank {rank} is outside the world of {self.world_size} ranks; HINT: ranks are "
+                    f"0..{self.world_size - 1}"
+                )
             if factor < 1:
-                raise ValueError(f"--straggler factor must be >= 1 (1.5 = 1.5x slower), got {rank}:{factor}")
+                raise ValueError(
+                    f"--straggler factor must be >= 1 (1.5 = 1.5x slower), got {rank}:{factor}; HINT: e.g. 3:1.5"
+                )
         parse_jitter(jitter)  # validate early, with the spec's own error messages
         for w in parse_schedule(schedule):
             if not 0 <= w.rank < self.world_size:
-                raise ValueError(f"--straggler-schedule rank {w.rank} is outside the world of {self.world_size} ranks")
+                raise ValueError(
+                    f"--straggler-schedule rank {w.rank} is outside the world of {self.world_size} ranks; HINT: ranks "
+                    f"are 0..{self.world_size - 1}"
+                )
         cores = os.cpu_count() or 1
         budget = 0.75 * cores if cpu_budget is None else cpu_budget
         if not 0 < budget <= cores:
@@ -140,7 +148,9 @@ class EmulatedCluster:
                 "compete for CPU and stop behaving like separate machines"
             )
         if grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+            raise ValueError(
+                f"grace_s must be >= 0, got {grace_s}; HINT: 30 lets the others report before they are killed"
+            )
         if fault:
             from lightning_syncasync.callbacks.faults import parse_fault
 

@@ -85,14 +85,19 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
                 "communication settings are its ZeRO options"
             )
         if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}")
+            raise ValueError(
+                f"stage must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}; HINT: 2 (or strategy=deepspeed_zero3_offload)"
+            )
         if offload_parameters and stage != 3:
             raise ValueError(
                 f"offload_parameters needs ZeRO stage 3 (parameters are only sharded there), got stage={stage}; "
                 "set stage=3 or offload_parameters=False"
             )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
+            raise ValueError(
+                f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}; HINT: 'spawn' for "
+                "notebooks and Hydra multirun"
+            )
         if config is not None:
             config = _load(config)
             check_config(config)
@@ -211,7 +216,9 @@ def check_config(config: dict[str, Any]) -> None:
         )
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        raise ValueError(
+            f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}; HINT: 2 shards optimizer states"
+        )
 
 
 def _load(config: Any) -> dict[str, Any]:
