@@ -117,8 +117,12 @@ class PeerWatchdog(Callback):
             else:  # no peer is silent: this rank is where it started
                 verdict = hb.publish(f"rank {hb.rank} failed: {type(exception).__name__}: {exception}"[:500])
         hb.lost = hb.lost or verdict
-        hb.stop(finished=False)
         self._say(verdict)
+        if trainer.global_rank == 0:
+            # Under Lightning's own launch this process hosts the store: leaving at once would take the verdict
+            # with it, and the others would blame this rank instead of the lost one. Stay for two heartbeats.
+            time.sleep(2 * hb.interval_s + 0.5)
+        hb.stop(finished=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
