@@ -158,10 +158,12 @@ class Heartbeat:
 
     # --------------------------------------------------------------------------------------------------- judge side
     def silent(self, at_least_s: float) -> list[tuple[int, float]]:
-        """Watched ranks (not finished) whose heartbeat has not moved for ``at_least_s`` seconds, longest first."""
-        now = time.monotonic()
+        """Watched ranks (not finished) whose heartbeat has not moved for ``at_least_s`` seconds, longest first.
+
+        Silence counts only while the store answers (up to the last successful round): when the store itself goes
+        quiet, every counter stops at once, and the store's host is the one to blame, not the peers."""
         with self._lock:
-            out = [(r, now - s.since) for r, s in self._seen.items() if r not in self._done]
+            out = [(r, self._last_ok - s.since) for r, s in self._seen.items() if r not in self._done]
         return sorted([x for x in out if x[1] >= at_least_s], key=lambda x: -x[1])
 
     def verdict(self, silence_s: float | None = None) -> str | None:
