@@ -24,6 +24,7 @@ from lightning_syncasync.callbacks import FaultInjector, PeerWatchdog  # noqa: E
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy  # noqa: E402
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy  # noqa: E402
+from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy  # noqa: E402
 
 
 class SlowTinyModel(TinyModel):
@@ -37,6 +38,8 @@ class SlowTinyModel(TinyModel):
 def build(name: str, compression: str, timeout_s: float):
     if name == "ddp":
         return DDPStrategy(), [PeerWatchdog(timeout_s=timeout_s, grace_s=1.0)]
+    if name == "ddp_measured":  # compressed DDP (bench contenders ddp_int8, ...): no peer_timeout_s of its own
+        return MeasuredDDPStrategy(compression=compression), [PeerWatchdog(timeout_s=timeout_s, grace_s=1.0)]
     kw = {"peer_timeout_s": timeout_s, "compression": compression}
     if name == "hier_sync":
         return HierSyncStrategy(node_size=1, **kw), []

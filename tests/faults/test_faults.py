@@ -26,7 +26,7 @@ pytestmark = pytest.mark.faults
 
 JOB = str(Path(__file__).with_name("fault_job.py"))
 TIMEOUT_S = 5.0  # the watchdog / peer timeout of these jobs
-GRACE_S = {"ddp": 1.0}  # the job's own PeerWatchdog for ddp; the strategies add one with the default grace
+GRACE_S = {"ddp": 1.0, "ddp_measured": 1.0}  # the job's own PeerWatchdog; the others add one (default grace)
 DEFAULT_GRACE_S = 5.0
 
 
@@ -68,7 +68,8 @@ def _check_survivors(res: dict, strategy: str, lost: int, label: str, bound_s: f
 
 
 KILL_CASES = [("ddp", "none"), ("hier_sync", "none"), ("async_ssp", "none"), ("auto_sync", "none"),
-              ("hier_sync", "int8"), ("async_ssp", "int8")]  # fmt: skip
+              ("ddp_measured", "int8"), ("hier_sync", "int8"), ("async_ssp", "int8"),
+              ("auto_sync", "int8")]  # fmt: skip
 
 
 @pytest.mark.timeout(200)
