@@ -199,30 +199,35 @@ class Heartbeat:
                 return None
             time.sleep(self.interval_s / 2)
 
-    def publish(self, message: str) -> str:
-        """Publish ``message`` unless another rank published first; the verdict that stands is returned. A store
-        that refuses the call is itself the verdict (its host is lost); one that does not answer within two
-        heartbeats (a cut link: TCP retransmits, no error) leaves ``message`` standing. Never blocks longer."""
-        result = [message]
+    def publish(self, message: str) -> str | None:
+        """Publish ``message`` unless another rank published first, and return the verdict that stands; ``None``
+        when the store refused the call or did not answer within two heartbeats (a cut link: TCP retransmits, no
+        error). Never blocks longer."""
+        result: list[str | None] = [None]
 
         def call() -> None:
             try:
                 got = self.store.compare_set(self._key("lost"), "", message)
                 result[0] = got.decode() if isinstance(got, bytes) else str(got)
             except Exception as err:  # noqa: BLE001 - the store may be what is lost
-                result[0] = f"{self.store_host} is lost: the rendezvous store refused rank {self.rank} ({err})"[:500]
+                log.debug("publishing the verdict failed: %s", err)
 
         t = threading.Thread(target=call, name="syncasync-watchdog-publish", daemon=True)
         t.start()
         t.join(timeout=2 * self.interval_s)
         return result[0]
 
+    def store_lost(self) -> str:
+        """The verdict when the store itself cannot be reached."""
+        return f"{self.store_host} is lost: the rendezvous store does not answer rank {self.rank}"
+
     def _judge_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             v = self.verdict()
             if v is None:
                 continue
-            self.lost = self.publish(v) if v != self._verdict else v
+            # A store gone by now does not make this rank's own verdict about a peer wrong: keep it.
+            self.lost = (self.publish(v) or v) if v != self._verdict else v
             log.error("syncasync watchdog (rank %d): %s", self.rank, self.lost)
             if self.on_lost is not None:
                 self.on_lost(self.lost)

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -80,11 +81,26 @@ class PeerWatchdog(Callback):
         self._trainer = trainer
         self._generation += 1
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.distributed_c10d._get_default_store()
+        store = self._own_connection() or dist.distributed_c10d._get_default_store()
         self.heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, timeout_s=self.timeout_s, interval_s=self.interval_s,
             on_lost=self._on_lost, prefix=f"syncasync/wd/{restart}/{self._generation}",
         ).start()  # fmt: skip
+
+    def _own_connection(self) -> dist.Store | None:
+        """A client connection of its own to the job's store (``MASTER_ADDR:MASTER_PORT``, the store Lightning's and
+        torchrun's launches create). Sharing the default store object would queue the heartbeats behind other
+        threads' blocking store calls (an SSP exchange waiting on a peer's key), and a verdict could then arrive
+        only after the store's host left."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            return None
+        try:
+            return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=max(self.timeout_s, 5.0)))  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - the default store still works
+            log.debug("no own store connection (%s); sharing the default store", err)
+            return None
 
     def _say(self, message: str) -> None:
         rank = self._trainer.global_rank if self._trainer is not None else "?"
@@ -114,8 +130,9 @@ class PeerWatchdog(Callback):
         if verdict is None:
             if isinstance(exception, PeerLostError):
                 verdict = str(exception)
-            else:  # no peer is silent: this rank is where it started
-                verdict = hb.publish(f"rank {hb.rank} failed: {type(exception).__name__}: {exception}"[:500])
+            else:  # no peer is silent: this rank is where it started, unless the store itself is gone
+                own = f"rank {hb.rank} failed: {type(exception).__name__}: {exception}"[:500]
+                verdict = hb.publish(own) or hb.store_lost()
         hb.lost = hb.lost or verdict
         self._say(verdict)
         if trainer.global_rank == 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -75,7 +76,8 @@ KILL_CASES = [("ddp", "none"), ("hier_sync", "none"), ("async_ssp", "none"), ("a
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("strategy", "compression"), KILL_CASES, ids=[f"{s}-{c}" for s, c in KILL_CASES])
 def test_a_killed_worker_stops_every_other_rank_naming_it(tmp_path, strategy, compression):
-    res = _run(tmp_path, strategy, "kill:1@20", compression)
+    step = random.Random(f"{strategy}-{compression}").randint(5, 40)  # a random step, the same on every run
+    res = _run(tmp_path, strategy, f"kill:1@{step}", compression)
     assert res["report"].exit_codes[1] == -9  # SIGKILL
     grace = GRACE_S.get(strategy, DEFAULT_GRACE_S)
     _check_survivors(res, f"{strategy}+{compression}", lost=1, label="SIGKILL", bound_s=TIMEOUT_S + grace + 10)
@@ -84,7 +86,7 @@ def test_a_killed_worker_stops_every_other_rank_naming_it(tmp_path, strategy, co
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy", ["ddp", "hier_sync", "async_ssp", "auto_sync"])
 def test_a_hung_worker_is_detected_by_the_same_timeout(tmp_path, strategy):
-    res = _run(tmp_path, strategy, "stop:1@20")
+    res = _run(tmp_path, strategy, f"stop:1@{random.Random(strategy).randint(5, 40)}")
     grace = GRACE_S.get(strategy, DEFAULT_GRACE_S)
     _check_survivors(res, strategy, lost=1, label="SIGSTOP", bound_s=TIMEOUT_S + grace + 10)
     # Stopped until the emulator's clean-up (SIGTERM + SIGCONT), which it does not survive either.
