@@ -2,7 +2,7 @@
 
 Without it, Lightning's ``ddp`` on gloo waits for a frozen peer until the process group's timeout (30 minutes by
 default), and a killed peer shows up as ``Connection closed by peer [10.0.0.2]:41234`` on some ranks only. With it
-(any strategy; ``hier_sync``, ``async_ssp`` and ``auto_sync`` add one themselves):
+(any strategy; ``hier_sync``, ``async_ssp``, ``auto_sync`` and ``ddp_measured`` add one themselves):
 
 * every rank heartbeats through the job's store (:class:`~lightning_syncasync.algorithms.watchdog.Heartbeat`);
 * a rank silent for ``timeout_s`` is named on every rank (``PeerLostError: rank 3 is lost: ...`` on stderr), the
