@@ -63,6 +63,14 @@ def destroy_groups(*groups: Any) -> None:
             pass
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors for a collective on ``group`` must live: the current CUDA device under NCCL, else the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and ":" not in backend:  # "cpu:gloo,cuda:nccl" takes CPU tensors as well
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class InconsistentSettingsError(ValueError):
     """Ranks were started with different values of a setting that must be the same everywhere."""
 
@@ -79,10 +87,11 @@ def check_same_on_every_rank(owner: str, settings: dict[str, Any], group: dist.P
     names = sorted(settings)
     if not names or not dist.is_initialized() or dist.get_world_size(group) < 2:
         return
-    mine = torch.tensor([zlib.crc32(repr(settings[n]).encode()) for n in names], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered)
+    crcs = [zlib.crc32(repr(settings[n]).encode()) for n in names]
+    mine_dev = torch.tensor(crcs, dtype=torch.int64, device=collective_device(group))
+    gathered = [torch.empty_like(mine_dev) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine_dev, group=group)
+    table, mine = torch.stack(gathered).cpu(), mine_dev.cpu()
     bad = [i for i in range(len(names)) if not bool((table[:, i] == mine[i]).all())]
     if bad:
         parts = [
@@ -108,12 +117,13 @@ def all_gather_state(state: Any, group: dist.ProcessGroup | None = None) -> list
     leaves, spec = tree_flatten(state)
     layout = repr((spec, [(tuple(x.shape), str(x.dtype)) if torch.is_tensor(x) else x for x in leaves]))
     check_same_on_every_rank("checkpoint state", {"layout": layout}, group)
-    world = dist.get_world_size(group)
+    world, device = dist.get_world_size(group), collective_device(group)
     per_rank = [list(leaves) for _ in range(world)]
     for i, leaf in enumerate(leaves):
         if torch.is_tensor(leaf):
-            out = [torch.empty_like(leaf) for _ in range(world)]
-            dist.all_gather(out, leaf.contiguous(), group=group)
+            sent = leaf.detach().contiguous().to(device)
+            out = [torch.empty_like(sent) for _ in range(world)]
+            dist.all_gather(out, sent, group=group)
             for r in range(world):
-                per_rank[r][i] = out[r]
+                per_rank[r][i] = out[r].to(leaf.device)
     return [tree_unflatten(x, spec) for x in per_rank]
