@@ -45,6 +45,16 @@ class PeerLostError(RuntimeError):
     """A peer died, hung or became unreachable; the message names it."""
 
 
+def check_settings(timeout_s: float, interval_s: float | None) -> float:
+    """Validate the heartbeat settings (shared by :class:`Heartbeat` and the Lightning callback, which checks them at
+    construction, before any process starts); returns the interval to use."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}; HINT: 30 ends a hung job within 35 s")
+    if interval_s is not None and not 0 < interval_s < timeout_s:
+        raise ValueError(f"interval_s must be in (0, timeout_s={timeout_s}), got {interval_s}; HINT: leave it unset")
+    return min(1.0, timeout_s / 10) if interval_s is None else interval_s
+
+
 @dataclass
 class _Seen:
     value: int
@@ -63,7 +73,8 @@ class Heartbeat:
         watch: how many other ranks this rank reads each round (its ring successors; default all, up to 8).
         on_lost: called once with the verdict's message, from the judge thread.
         prefix: key prefix (default ``syncasync/wd/<restart count>``).
-        store_host: how to name the store's host in a verdict (default ``"rank 0 (the store's host)"``).
+        store_host: how to name the store's host in a verdict (default: rank 0, which hosts it under Lightning's
+            own launchers).
     """
 
     def __init__(
@@ -80,11 +91,7 @@ class Heartbeat:
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}; HINT: 60 fails within a minute")
-        interval_s = min(1.0, timeout_s / 10) if interval_s is None else interval_s
-        if not 0 < interval_s < timeout_s:
-            raise ValueError(f"interval_s must be in (0, timeout_s={timeout_s}), got {interval_s}")
+        interval_s = check_settings(timeout_s, interval_s)
         if watch < 1:
             raise ValueError(f"watch must be >= 1, got {watch}; HINT: 8 keeps the store load small")
         self.store = store
@@ -176,10 +183,7 @@ class Heartbeat:
             return published
         quiet = time.monotonic() - last_ok
         if quiet > silence_s:
-            return (
-                f"{self.store_host} is lost: the rendezvous store has not answered rank {self.rank} for {quiet:.1f}s "
-                "(process gone, host down or link cut)"
-            )
+            return self.store_lost(quiet)
         silent = self.silent(silence_s)
         if silent:
             r, s = silent[0]
@@ -217,9 +221,13 @@ class Heartbeat:
         t.join(timeout=2 * self.interval_s)
         return result[0]
 
-    def store_lost(self) -> str:
-        """The verdict when the store itself cannot be reached."""
-        return f"{self.store_host} is lost: the rendezvous store does not answer rank {self.rank}"
+    def store_lost(self, quiet_s: float | None = None) -> str:
+        """The verdict when the store itself cannot be reached (for ``quiet_s`` seconds, when known)."""
+        since = "" if quiet_s is None else f" for {quiet_s:.1f}s"
+        return (
+            f"{self.store_host} is lost: the rendezvous store has not answered rank {self.rank}{since} (process gone, "
+            "host down or link cut)"
+        )
 
     def _judge_loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_syncasync.algorithms.watchdog import Heartbeat, PeerLostError
+from lightning_syncasync.algorithms.watchdog import Heartbeat, PeerLostError, check_settings
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,7 @@ class PeerWatchdog(Callback):
     def __init__(
         self, timeout_s: float = 30.0, interval_s: float | None = None, grace_s: float = 5.0, exit_code: int = 75
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}; HINT: 30 ends a hung job within 35 s")
-        if interval_s is not None and not 0 < interval_s < timeout_s:
-            raise ValueError(
-                f"interval_s must be in (0, timeout_s={timeout_s}), got {interval_s}; HINT: leave it unset"
-            )
+        check_settings(timeout_s, interval_s)
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         if not 1 <= exit_code <= 255:

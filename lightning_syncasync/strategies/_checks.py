@@ -21,15 +21,19 @@ def check_common(
     compression_options: dict[str, Any] | None,
     peer_timeout_s: float,
     ddp_kwargs: dict[str, Any],
+    cls: type,
+    wraps_ddp: bool,
 ) -> None:
     """Compression (a ``Compressor`` is built now so that bad options fail at construction, not in every process
-    later), the peer timeout, and no DDP comm hook or model averaging: ``owner`` (e.g. "hier_sync does its own
-    cross-node averaging") says why the strategy communicates by itself."""
+    later), the peer timeout, no DDP comm hook or model averaging (``owner``, e.g. "hier_sync does its own
+    cross-node averaging", says why the strategy communicates by itself), and only known extra keywords
+    (:func:`check_kwargs`)."""
     if peer_timeout_s <= 0:
         raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
     check_compression_options(compression, compression_options)
     if ddp_kwargs.get("ddp_comm_hook") or ddp_kwargs.get("model_averaging_period"):
         raise ValueError(f"{owner}; HINT: drop ddp_comm_hook/model_averaging_period")
+    check_kwargs(cls, ddp_kwargs, wraps_ddp)
 
 
 def check_compression_options(compression: str, options: dict[str, Any] | None) -> None:

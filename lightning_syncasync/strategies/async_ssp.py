@@ -36,7 +36,7 @@ from lightning_syncasync.algorithms.compensation import StaleGradientCompensatio
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
-from lightning_syncasync.strategies._checks import check_async, check_common, check_kwargs
+from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -109,8 +109,7 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
     ) -> None:
         check_async(staleness, compensation, lam)
         check_common("async_ssp does not all-reduce gradients", compression, compression_options, peer_timeout_s,
-                     kwargs)  # fmt: skip
-        check_kwargs(type(self), kwargs, wraps_ddp=False)
+                     kwargs, type(self), wraps_ddp=False)  # fmt: skip
         if round_interval_s <= 0:
             raise ValueError(f"round_interval_s must be > 0, got {round_interval_s}; HINT: the default 0.005")
         if exchange_every < 1:

@@ -52,7 +52,7 @@ from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
-from lightning_syncasync.strategies._checks import check_async, check_common, check_kwargs, check_node_size
+from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import LocalReduceWhileAsync, ssp_optimizer_step
@@ -111,8 +111,8 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}; HINT: 'sync' (the default start)")
         check_settings(inter_period, max_delay, "average", 1.0, 0.9)
         check_async(staleness, compensation, lam)
-        check_common("auto_sync registers its own comm hook", compression, compression_options, peer_timeout_s, kwargs)
-        check_kwargs(type(self), kwargs, wraps_ddp=True)
+        check_common("auto_sync registers its own comm hook", compression, compression_options, peer_timeout_s, kwargs,
+                     type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
         super().__init__(**kwargs)
         self.mode: str = mode

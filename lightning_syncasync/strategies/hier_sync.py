@@ -32,7 +32,7 @@ from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
-from lightning_syncasync.strategies._checks import check_common, check_kwargs, check_node_size
+from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -84,8 +84,7 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
         check_common("hier_sync does its own cross-node averaging", compression, compression_options, peer_timeout_s,
-                     kwargs)  # fmt: skip
-        check_kwargs(type(self), kwargs, wraps_ddp=True)
+                     kwargs, type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
         super().__init__(**kwargs)
         self.inter_period = inter_period
