@@ -46,6 +46,13 @@ def all_gather_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.Process
     gather(out, tensor, group=group)
 
 
+def reduce_scatter_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Sum ``tensor`` over ``group`` and keep this rank's equal slice of the sum in ``out`` (rank order)."""
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns); gloo supports both.
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, tensor, group=group)
+
+
 def destroy_groups(*groups: Any) -> None:
     """Release a strategy's communication at its teardown: collect the garbage first (torch's DDP wrapper sits in a
     reference cycle with its comm hook, so dropping it leaves it alive until a collection), then shut down the

@@ -20,8 +20,10 @@ Modes (``local_sgd``):
 
 ``compression`` (``fp16``, ``bf16``, ``int8``, ``sign``, ``powersgd``) replaces the flat all-reduce with the
 compressed one of :class:`~lightning_syncasync.algorithms.compressed_hook.CompressedAllReduce` (error feedback per
-parameter, bytes measured from the payload). Its residuals and PowerSGD factors are saved in checkpoints, every
-rank's own (they differ per rank), so a resumed run continues the same trajectory.
+parameter, bytes measured from the payload). When the ranks span several nodes with several ranks each, it is
+hierarchical: full precision inside the node, only the inter-node hop compressed (``powersgd`` stays flat).
+Its residuals and PowerSGD factors are saved in checkpoints, every rank's own (they differ per rank), so a resumed
+run continues the same trajectory.
 """
 
 from __future__ import annotations
@@ -161,10 +163,19 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
 
         if self.compression != "none":
             compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
-            # Its own group: the hook's collectives run on a background thread.
+            # Groups of its own: the hook's collectives run on a background thread. Across real or virtual nodes
+            # with several ranks each, the node and inter-node groups too (hierarchical all-reduce: full precision
+            # inside the node, compressed across; see algorithms/compressed_hook.py).
             group = dist.new_group()
             self._own_groups.append(group)
-            self._compressed = CompressedAllReduce(compressor, self.sync_stats, flat_scope, group)
+            node_group = cross_group = None
+            if topo.spans_nodes() and topo.node_size > 1:
+                node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+                cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
+                self._own_groups += [node_group, cross_group]
+            self._compressed = CompressedAllReduce(
+                compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group
+            )
             if self._restored_compression is not None:
                 self._compressed.load_state_dict(self._restored_compression)
                 self._restored_compression = None

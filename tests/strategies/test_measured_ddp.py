@@ -43,7 +43,7 @@ PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
 
 
 @pytest.mark.timeout(300)
-def test_post_local_sgd_with_period_1_equals_ddp_and_is_measured_by_link(tmp_path):
+def test_post_local_sgd_period_1_and_hierarchical_int8_track_ddp_and_are_measured_by_link(tmp_path):
     ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
     local, summary = _fit(
         tmp_path / "plsgd",
@@ -56,6 +56,16 @@ def test_post_local_sgd_with_period_1_equals_ddp_and_is_measured_by_link(tmp_pat
         assert rank["bytes_intra_per_step"] == PARAM_BYTES  # node-group gradient all-reduce
         assert rank["bytes_inter_per_step"] == PARAM_BYTES  # global parameter averaging
     assert summary["mode"] == "hier"
+    # Compressed DDP across 2 virtual nodes is hierarchical: fp32 reduce-scatter + all-gather inside the node, int8
+    # across, each local rank carrying half of the model. Replicas stay identical and track DDP.
+    int8, summary = _fit(tmp_path / "int8", MeasuredDDPStrategy(compression="int8", node_size=2, start_method="fork"))
+    for r in range(4):
+        torch.testing.assert_close(int8[r], int8[0], rtol=0, atol=0)
+    assert (int8[0] - ddp[0]).norm() <= 2e-2 * ddp[0].norm()
+    for rank in summary["ranks"]:
+        # TinyModel's buckets hold 706 elements (int8: 353 per half, 2 chunks of 256 with their scales).
+        assert rank["bytes_inter_per_step"] == 2 * 256 + 2 * 4
+        assert rank["bytes_intra_per_step"] == (706 + 353) * 4
 
 
 @pytest.mark.timeout(300)
