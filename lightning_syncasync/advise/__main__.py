@@ -169,6 +169,11 @@ def _print_measurements(m: Measurements, notes: list[str]) -> None:
         print(
             f"  inter-node link: alpha {m.inter_alpha_s * 1e6:.0f} us, {m.inter_bytes_per_s / 1e6:.1f} MB/s (measured)"
         )
+    if m.comm_cpu_s_per_byte:
+        print(
+            f"  background inter-node all-reduce: {m.comm_cpu_s_per_byte * 1e9:.2f} s of this rank's compute per GB "
+            "sent (measured CPU time over the compute's CPU share)"
+        )
     for note in notes:
         print(f"  {note}")
 

@@ -36,8 +36,9 @@ SMALL_BYTES = 4096
 # A step slower than (1 + PAUSE_THRESHOLD) x the rank's median counts as a pause (jitter), not as noise.
 PAUSE_THRESHOLD = 1.0
 # Per-rank figures gathered to rank 0, in this order (one float64 vector per rank).
-_FIELDS = ("median", "cv", "pause_p", "pause_f", "steps", "t_intra_small", "t_intra_big", "t_cross_small",
-           "t_cross_big", "t_world_big")  # fmt: skip
+_FIELDS = ("median", "cv", "pause_p", "pause_f", "steps", "cpu_share", "t_intra_small", "t_intra_big",
+           "t_cross_small", "t_cross_big", "t_world_big", "cpu_cross_big")  # fmt: skip
+_LINK_FIELDS = _FIELDS[6:]
 
 
 def compose_config(overrides: list[str]) -> Any:
@@ -109,12 +110,16 @@ class _EmulatedSlowdown:
             time.sleep(sleep)
 
 
-def time_compute(model: Any, loader: Any, seconds: float, rank: int, device: torch.device) -> list[float]:
-    """Per-step wall times of forward + backward + optimizer step for about ``seconds`` (2 warm-up steps left out)."""
+def time_compute(
+    model: Any, loader: Any, seconds: float, rank: int, device: torch.device, cpu: list[float] | None = None
+) -> list[float]:
+    """Per-step wall times of forward + backward + optimizer step for about ``seconds`` (2 warm-up steps left out).
+    ``cpu``, when given, receives ``[process CPU seconds, wall seconds]`` of the compute alone (pauses left out)."""
     model.to(device).train()
     opt = _optimizer(model)
     slowdown = _EmulatedSlowdown(rank, seconds)
     times: list[float] = []
+    cpu_s = wall_s = 0.0
     start = time.perf_counter()
     it, i = iter(loader), 0
     with warnings.catch_warnings():
@@ -127,7 +132,7 @@ def time_compute(model: Any, loader: Any, seconds: float, rank: int, device: tor
                 it = iter(loader)
                 batch = next(it)
             batch = _to(batch, device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = model.training_step(batch, i)
             loss = out["loss"] if isinstance(out, dict) else out
             loss.backward()
@@ -135,11 +140,17 @@ def time_compute(model: Any, loader: Any, seconds: float, rank: int, device: tor
             opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            slowdown.pause(time.perf_counter() - t0, time.perf_counter() - start)
+            computed = time.perf_counter() - t0
+            if i >= 2:
+                cpu_s += time.process_time() - c0
+                wall_s += computed
+            slowdown.pause(computed, time.perf_counter() - start)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
             i += 1
             if (time.perf_counter() - start >= seconds and len(times) >= 5) or len(times) >= 10_000:
+                if cpu is not None:
+                    cpu[:] = [cpu_s, wall_s]
                 return times
 
 
@@ -164,37 +175,56 @@ def step_statistics(times: list[float]) -> dict[str, float]:
     return {"median": med, "cv": cv, "pause_p": p, "pause_f": f, "steps": float(len(times))}
 
 
-def _timed_all_reduce(nbytes: float, group: Any, device: torch.device, reps: int) -> float:
-    """Median seconds of an all-reduce of ``nbytes`` on ``group`` (every rank of the world takes part in timing)."""
+def _timed_all_reduce(nbytes: float, group: Any, device: torch.device, reps: int) -> tuple[float, float]:
+    """Median wall seconds and median process CPU seconds of an all-reduce of ``nbytes`` on ``group`` (every rank of
+    the world takes part in timing). The CPU time includes the backend's own threads (gloo works in them)."""
     t = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
     dist.all_reduce(t, group=group)  # warm-up: connection set-up is not bandwidth
-    out = []
+    out, cpu = [], []
     for _ in range(reps):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dist.all_reduce(t, group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(out), statistics.median(cpu)
 
 
 def measure_links(topo: Topology, grad_bytes: float, device: torch.device, reps: int) -> dict[str, float]:
     """All-reduce times on this rank's node group, cross-node group (all groups at once) and the whole world."""
-    out = dict.fromkeys(("t_intra_small", "t_intra_big", "t_cross_small", "t_cross_big", "t_world_big"), 0.0)
+    out = dict.fromkeys(_LINK_FIELDS, 0.0)
     if topo.node_size > 1:
         intra, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
-        out["t_intra_small"] = _timed_all_reduce(SMALL_BYTES, intra, device, reps)
-        out["t_intra_big"] = _timed_all_reduce(grad_bytes, intra, device, reps)
+        out["t_intra_small"] = _timed_all_reduce(SMALL_BYTES, intra, device, reps)[0]
+        out["t_intra_big"] = _timed_all_reduce(grad_bytes, intra, device, reps)[0]
     if topo.num_nodes > 1:
         cross, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
-        out["t_cross_small"] = _timed_all_reduce(SMALL_BYTES, cross, device, reps)
-        out["t_cross_big"] = _timed_all_reduce(grad_bytes / topo.node_size, cross, device, reps)
+        out["t_cross_small"] = _timed_all_reduce(SMALL_BYTES, cross, device, reps)[0]
+        out["t_cross_big"], out["cpu_cross_big"] = _timed_all_reduce(grad_bytes / topo.node_size, cross, device, reps)
     if topo.world_size > 1:
-        out["t_world_big"] = _timed_all_reduce(grad_bytes, None, device, reps)
+        out["t_world_big"] = _timed_all_reduce(grad_bytes, None, device, reps)[0]
     return out
+
+
+def comm_cpu_s_per_byte(cpu_s: list[float], cpu_share: list[float], shard_bytes: float, nodes: int) -> float:
+    """What a background inter-node all-reduce costs a rank's compute, per byte in the cost model's convention
+    (``2 (n-1)`` shards sent per round: ``ScalingModel._hier_round_s``), in *wall* seconds of that rank.
+
+    The collective's process CPU time is converted to the wall time it takes from compute through the CPU share the
+    rank's compute got (CPU seconds per wall second while computing): on a rank capped at 0.375 of a core, one CPU
+    second of gloo work costs 2.7 s of compute. The median over ranks. Why measured and not fitted: the only runs a
+    fit could use had 2 nodes, where the exchange is small, and it fitted 0; at 4 nodes of one rank each, gloo's
+    ring carries the whole model on the rank's own share, and the model predicted hier_sync 51% too fast.
+    """
+    sent = 2 * (nodes - 1) * shard_bytes
+    if nodes < 2 or sent <= 0:
+        return 0.0
+    per_rank = [c / share / sent for c, share in zip(cpu_s, cpu_share, strict=True) if share > 0]
+    return statistics.median(per_rank) if per_rank else 0.0
 
 
 def _link(t_small: float, t_big: float, k: int, nbytes: float) -> tuple[float, float]:
@@ -229,11 +259,13 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
         grad_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
         if distributed:
             dist.barrier()  # every rank computes at the same time, as in training
-        stats = step_statistics(time_compute(model, loader, seconds, rank, device))
+        cpu: list[float] = [0.0, 0.0]
+        stats = step_statistics(time_compute(model, loader, seconds, rank, device, cpu))
+        stats["cpu_share"] = cpu[0] / cpu[1] if cpu[1] > 0 else 0.0
         if distributed:
             stats.update(measure_links(topo, grad_bytes, device, reps))
         else:
-            stats.update(dict.fromkeys(_FIELDS[5:], 0.0))
+            stats.update(dict.fromkeys(_LINK_FIELDS, 0.0))
         mine = torch.tensor([stats[k] for k in _FIELDS], dtype=torch.float64, device=device)
         if distributed:
             rows = [torch.zeros_like(mine) for _ in range(world)]
@@ -267,4 +299,7 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
         )
     if world > 1:
         meas.flat_all_reduce_s = max(col["t_world_big"])
+    if n > 1 and not cuda:
+        # On GPUs the copy engines and NCCL's kernels do this work, not the rank's CPU: left at 0 there.
+        meas.comm_cpu_s_per_byte = comm_cpu_s_per_byte(col["cpu_cross_big"], col["cpu_share"], grad_bytes / m, n)
     return meas

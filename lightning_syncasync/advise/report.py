@@ -53,6 +53,7 @@ class Measurements:
     inter_alpha_s: float | None = None
     inter_bytes_per_s: float | None = None
     flat_all_reduce_s: float | None = None
+    comm_cpu_s_per_byte: float | None = None  # what a background inter-node exchange takes from compute, per byte
     links_assumed: bool = False
     workload: str = ""
     params: int = 0
@@ -160,12 +161,14 @@ def build_model(m: Measurements, params: dict[str, float] | None = None) -> Scal
     # One rank per node has no intra-node link, one node no inter-node link: the other one stands in.
     intra = intra or inter
     inter = inter or intra
+    fitted = {k: v for k, v in params.items() if k in ("overlap", "collective_overhead_s", "comm_cpu_s_per_byte",
+                                                       "codec_s_per_byte")}  # fmt: skip
+    if "comm_cpu_s_per_byte" not in fitted and m.comm_cpu_s_per_byte:
+        fitted["comm_cpu_s_per_byte"] = m.comm_cpu_s_per_byte  # measured by the probe (advise/probe.py)
     return ScalingModel(
         compute_s_per_sample=[t / m.batch_size for t in m.median_step_s], batch_size=m.batch_size,
         grad_bytes=m.grad_bytes, procs_per_node=m.procs_per_node, intra_link=intra, inter_link=inter,  # type: ignore[arg-type]
-        jitter_p=p, jitter_factor=f,
-        **{k: v for k, v in params.items() if k in ("overlap", "collective_overhead_s", "comm_cpu_s_per_byte",
-                                                    "codec_s_per_byte")},
+        jitter_p=p, jitter_factor=f, **fitted,
     )  # fmt: skip
 
 

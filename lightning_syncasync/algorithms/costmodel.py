@@ -34,7 +34,9 @@ Strategies (``DDP`` = flat synchronous all-reduce every step)::
                 two-point order statistic at s = 0 and each rank's mean as s grows (jitter absorbed); a persistent
                 straggler paces everyone once the slack is used. ASP (s = None): each rank at its own rate. The
                 update exchange (an all-reduce every step, in the background) caps the step at its duration.
-    compression: the all-reduced (powersgd, fp16) or all-gathered (int8, sign) payload is ``ratio x B``, plus an
+    compression: the all-reduced (powersgd, fp16) or all-gathered (int8, sign) payload is ``ratio x B``; for DDP
+                across nodes of several ranks (all but powersgd) hierarchical: one fp32 all-reduce inside the node,
+                the B/m shards compressed across nodes sharing the node link, as hier_sync's round; plus an
                 encode/decode CPU cost per gradient byte (``codec_s_per_byte``; all-gather decodes R-1 payloads).
     auto_sync:  the best of ddp_adaptive_batch / hier_sync at their default settings (SyncSwitcher's defaults:
                 batch rebalancing on, async off): an upper bound for a switcher that settles in the right mode
@@ -97,6 +99,7 @@ _SETTINGS: dict[str, frozenset[str]] = {
 # auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
 _AUTO_MODES = {"ddp": "sync", "ddp_adaptive_batch": "sync", "hier_sync": "hier", "async_ssp": "async"}
 # DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): one collective per bucket.
+# (Compressed DDP uses 2 MB buckets; their collectives overlap with backward, which `overlap` stands for.)
 _BUCKET_BYTES = 25 * 2**20
 # Free parameters fitted by calibrate(), their defaults (no overhead, nothing hidden) and the grids searched.
 DEFAULT_PARAMS: dict[str, float] = {
@@ -433,9 +436,18 @@ class ScalingModel:
         )  # fmt: skip
 
     def _sync_comm(self, nodes: int, compression: str, ratio: float) -> float:
-        ranks = self._ranks(nodes)
-        comm = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
-        comm += self._codec_s(ranks, self.grad_bytes, compression)
+        ranks, m = self._ranks(nodes), self.procs_per_node
+        if compression not in ("none", "powersgd") and nodes > 1 and m > 1:
+            # Compressed DDP across nodes is hierarchical (algorithms/compressed_hook.py): an fp32 reduce-scatter
+            # and all-gather inside the node (one intra all-reduce), and each local rank's B/m shard compressed
+            # across nodes, the m shards sharing the node's link.
+            shard = self.grad_bytes / m
+            link = (self.inter_link[0], self.inter_link[1] / m)
+            comm = self.ring_all_reduce_s(m, self.grad_bytes, self.intra_link)
+            comm += self._collective(nodes, shard, link, compression, ratio) + self._codec_s(nodes, shard, compression)
+        else:
+            comm = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
+            comm += self._codec_s(ranks, self.grad_bytes, compression)
         if ranks > 1:
             comm += self._collectives_per_step(self.grad_bytes) * self.collective_overhead_s
         return comm

@@ -45,12 +45,16 @@ def test_ddp_step_by_hand():
 @pytest.mark.timeout(10)
 def test_int8_all_gather_and_powersgd_bytes():
     m = _model()
-    # int8: all-gather of 0.254 B over 4 ranks: 3 x 0.254 MB / 10 MB/s
-    assert m.predict("ddp_int8", 2).comm_s == pytest.approx(3 * 0.254e6 / 1e7)
-    assert m.predict("ddp_powersgd", 2).comm_s == pytest.approx(1.5 * 0.03e6 / 1e7)
-    # Encode/decode: int8 decodes N-1 payloads.
+    # int8 on 2 nodes x 2 is hierarchical: an fp32 all-reduce inside the node, then each local rank's 0.5 MB shard
+    # as an int8 all-gather across the 2 nodes, the 2 shards sharing the node's 10 MB/s: 0.254 x 0.5 MB / 5 MB/s.
+    inside = ScalingModel.ring_all_reduce_s(2, 1e6, FAST)
+    assert m.predict("ddp_int8", 2).comm_s == pytest.approx(inside + 0.254 * 0.5e6 / 5e6)
+    # One rank per node: flat, an all-gather of 0.254 B over the 2 ranks.
+    assert _model(procs_per_node=1).predict("ddp_int8", 2).comm_s == pytest.approx(0.254e6 / 1e7)
+    assert m.predict("ddp_powersgd", 2).comm_s == pytest.approx(1.5 * 0.03e6 / 1e7)  # powersgd stays flat
+    # Encode/decode: int8 decodes N-1 payloads (of the shard, N = nodes, when hierarchical).
     slow = _model(codec_s_per_byte=1e-9).predict("ddp_int8", 2).comm_s - m.predict("ddp_int8", 2).comm_s
-    assert slow == pytest.approx(1e-9 * 1e6 * 4)
+    assert slow == pytest.approx(1e-9 * 0.5e6 * 2)
 
 
 @pytest.mark.timeout(10)

@@ -97,6 +97,26 @@ def test_simulation_keeps_the_measured_shape():
 
 
 @pytest.mark.spawn
+@pytest.mark.timeout(10)
+def test_measured_background_cpu_cost_slows_hier_sync_and_a_fitted_value_wins():
+    from lightning_syncasync.advise.probe import comm_cpu_s_per_byte
+    from lightning_syncasync.advise.report import build_model
+
+    # 0.1 CPU s per round on ranks whose compute got 0.4 of a core: 0.25 s of their compute, over 2 (n-1) shards.
+    cost = comm_cpu_s_per_byte([0.1, 0.1, 0.1, 0.1], [0.4, 0.4, 0.4, 0.4], shard_bytes=1e6, nodes=4)
+    assert cost == pytest.approx(0.25 / 6e6)
+    assert comm_cpu_s_per_byte([0.1], [0.4], shard_bytes=1e6, nodes=1) == 0.0
+    free, costly = _meas(inter=12.5e6), _meas(inter=12.5e6)
+    costly.comm_cpu_s_per_byte = 3e-8  # 0.39 s per round of 13 MB: 14% of a 0.68 s step at inter_period=4
+    fast = recommend(free).predictions["hier_sync"].samples_per_s
+    slow = recommend(costly).predictions["hier_sync"].samples_per_s
+    assert slow < 0.95 * fast
+    assert recommend(costly).predictions["ddp"].samples_per_s == recommend(free).predictions["ddp"].samples_per_s
+    # A calibrated value (--params) replaces the measured one.
+    assert build_model(costly, {"comm_cpu_s_per_byte": 0.0}).comm_cpu_s_per_byte == 0.0
+    assert build_model(costly).comm_cpu_s_per_byte == 3e-8
+
+
 @pytest.mark.timeout(60)
 def test_two_gloo_processes_end_to_end(tmp_path):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
@@ -131,6 +151,8 @@ def test_two_gloo_processes_end_to_end(tmp_path):
     assert (m["world_size"], m["nodes"], m["batch_size"]) == (2, 2, 32)
     assert m["grad_bytes"] == 4 * m["params"] > 0 and m["inter_bytes_per_s"] > 0 and m["flat_all_reduce_s"] > 0
     assert len(m["median_step_s"]) == 2 and min(m["median_step_s"]) > 0
+    # The background all-reduce's CPU cost is measured on CPU ranks (gloo does the work in the rank's process).
+    assert m["comm_cpu_s_per_byte"] > 0 and "background inter-node all-reduce:" in out
     rec = data["recommendation"]
     assert rec["strategy"] in CANDIDATES and set(rec["predictions"]) == set(CANDIDATES)
     assert {p["nodes"] for p in data["simulation"]} == {4, 64}
