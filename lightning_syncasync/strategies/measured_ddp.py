@@ -75,7 +75,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         compression: compress the gradient all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``, ``sign``,
             ``powersgd`` (``local_sgd=None`` only).
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
-            With compression, DDP's ``bucket_cap_mb`` defaults to ``COMPRESSED_BUCKET_MB`` (2) instead of 25.
+            With compression (but powersgd), DDP's ``bucket_cap_mb`` defaults to ``COMPRESSED_BUCKET_MB`` (2), not 25.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...). A user
             ``ddp_comm_hook``/``ddp_comm_state`` is registered on every device type and measured.
 
@@ -116,11 +116,12 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
                 "local_sgd builds its own comm hook and averager; drop ddp_comm_hook/model_averaging_period "
                 "or set local_sgd=None"
             )
-        if compression != "none" and kwargs.get("bucket_cap_mb") is None:
+        if compression not in ("none", "powersgd") and kwargs.get("bucket_cap_mb") is None:
             # Small buckets: the compressed exchange runs on a thread, so each bucket's exchange overlaps with the
             # rest of backward. With DDP's 25 MB default the LM demo's 13 MB of gradients fill one bucket that is
-            # ready only when backward ends, and nothing overlaps (slow_link, quick: 60.4% of the limit at 25 MB,
-            # 72.5% at 6 MB, 77.8% at 2 MB; README).
+            # ready only when backward ends, and nothing overlaps (slow_link, quick, int8: 60.4% of the limit at
+            # 25 MB, 72.5% at 6 MB, 77.8% at 2 MB; README). PowerSGD keeps DDP's default: its two dependent
+            # all-reduces per bucket pay latency per bucket, and its factors are small anyway.
             kwargs["bucket_cap_mb"] = COMPRESSED_BUCKET_MB
         super().__init__(**kwargs)
         self.local_sgd = local_sgd
