@@ -28,7 +28,8 @@ Strategies (``DDP`` = flat synchronous all-reduce every step)::
                 the slowest node; every P = inter_period steps one inter-node round of
                 t_round = hierarchical all-reduce (reduce-scatter inside the node, all-reduce of the B/m shards across
                 nodes, all-gather inside; the node link carries m shards = B) runs in the background and may take
-                up to D = max_delay rounds:  step = max(s_loc, t_round / P, s_loc + (t_round - D P s_loc) / P)
+                up to D = max_delay *steps* after its launch (``DelayedAverager`` applies a round D steps after
+                launching it, whatever P is):  step = max(s_loc, t_round / P, s_loc + (t_round - D s_loc) / P)
     async_ssp:  no per-step wait. With staleness s a rank waits only for ranks more than s clocks behind: the pace is
                 E[max_r of its mean step over a window of s+1 steps] (K_r ~ Binomial(s+1, p) pauses), which is the
                 two-point order statistic at s = 0 and each rank's mean as s grows (jitter absorbed); a persistent
@@ -499,7 +500,9 @@ class ScalingModel:
         mean_compute = sum(k * b * c * self._mean_factor() for k, c in self._rank_groups(ranks)) / ranks
         exposed_intra = intra - min(self.overlap * intra, mean_compute)
         local = slowest + exposed_intra
-        step = max(local, t_round / period, local + (t_round - delay * period * local) / period)
+        # A round must be back `delay` steps after its launch (not `delay` periods: an earlier version of this model
+        # said periods and predicted hier_sync 51% too fast at 4 nodes x 1, where a round takes ~2 steps).
+        step = max(local, t_round / period, local + (t_round - delay * local) / period)
         comm = step - slowest
         return self._finish(nodes, step, mean_compute, comm, slowest - mean_compute, ranks * b / step, {})
 

@@ -185,3 +185,15 @@ def test_bad_constructor_arguments_name_the_setting(kwargs, message):
 def test_bad_predict_arguments_name_the_setting(strategy, nodes, settings, message):
     with pytest.raises(ValueError, match=message):
         _model().predict(strategy, nodes, **settings)
+
+
+@pytest.mark.timeout(10)
+def test_hier_sync_round_must_be_back_max_delay_steps_after_its_launch():
+    # One rank per node: 0.1 s of compute per step; a round all-reduces 1 MB across 2 nodes at 1 MB/s: 1 s.
+    m = _model(procs_per_node=1, inter_link=(0.0, 1e6))
+    assert m._hier_round_s(2, "none", 1.0)[0] == pytest.approx(1.0)
+    # max_delay counts steps, not periods (DelayedAverager applies a round D steps after launching it): with D=1 the
+    # round waits 1 - 0.1 s once per 4 steps; with D=4 it is hidden except for the link's pace, 1 s per 4 steps.
+    assert m.predict("hier_sync", 2, inter_period=4, max_delay=1).step_s == pytest.approx(0.1 + 0.9 / 4)
+    assert m.predict("hier_sync", 2, inter_period=4, max_delay=4).step_s == pytest.approx(1.0 / 4)
+    assert m.predict("hier_sync", 2, inter_period=4, max_delay=0).step_s == pytest.approx(0.1 + 1.0 / 4)
