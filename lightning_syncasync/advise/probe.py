@@ -216,9 +216,9 @@ def comm_cpu_s_per_byte(cpu_s: list[float], cpu_share: list[float], shard_bytes:
 
     The collective's process CPU time is converted to the wall time it takes from compute through the CPU share the
     rank's compute got (CPU seconds per wall second while computing): on a rank capped at 0.375 of a core, one CPU
-    second of gloo work costs 2.7 s of compute. The median over ranks. Why measured and not fitted: the only runs a
-    fit could use had 2 nodes, where the exchange is small, and it fitted 0; at 4 nodes of one rank each, gloo's
-    ring carries the whole model on the rank's own share, and the model predicted hier_sync 51% too fast.
+    second of gloo work costs 2.7 s of compute. The median over ranks. Why measured and not fitted: ``--calibrate``
+    fitted 0 on 2-node runs, where the exchange is small. Measured on the emulated LM clusters: 0.5 s per GB at 4
+    nodes x 1 and 1.6 s per GB at 2 x 2, 1-4% of a step at ``inter_period=4`` (README, simulator accuracy).
     """
     sent = 2 * (nodes - 1) * shard_bytes
     if nodes < 2 or sent <= 0:
