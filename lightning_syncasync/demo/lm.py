@@ -71,6 +71,8 @@ class TransformerLM(LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         activation_checkpointing: bool = False,
+        optimizer: str = "adamw",
+        onebit_warmup_steps: int = 10,
     ) -> None:
         """Validate the configuration and build the network.
 
@@ -87,6 +89,10 @@ class TransformerLM(LightningModule):
             activation_checkpointing: Recompute each block's activations in backward instead of keeping them
                 (``torch.utils.checkpoint``): less activation memory for about one more forward pass. Works with
                 every strategy, DeepSpeed's included.
+            optimizer: ``"adamw"``, or ``"onebit_adam"``: 1-bit Adam (``algorithms/onebit_adam.py``), plain Adam
+                for ``onebit_warmup_steps`` and then sign-compressed momenta with a frozen variance; train it with
+                ``strategy=ddp_measured`` so gradient traffic stops after the warm-up.
+            onebit_warmup_steps: ``optimizer="onebit_adam"`` only: steps of plain Adam before the variance freezes.
 
         Raises:
             ValueError: If any argument is out of range.
@@ -120,6 +126,15 @@ class TransformerLM(LightningModule):
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(
                 f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; set model.warmup_steps to 0 to disable"
+            )
+        if optimizer not in ("adamw", "onebit_adam"):
+            raise ValueError(
+                f"optimizer must be 'adamw' or 'onebit_adam', got {optimizer!r}; set model.optimizer to 'adamw'"
+            )
+        if not isinstance(onebit_warmup_steps, int) or onebit_warmup_steps < 1:
+            raise ValueError(
+                f"onebit_warmup_steps must be an integer >= 1, got {onebit_warmup_steps!r}; set "
+                "model.onebit_warmup_steps to e.g. 10 (1-bit Adam needs a warm-up to estimate the variance)"
             )
         self.save_hyperparameters()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -227,7 +242,7 @@ class TransformerLM(LightningModule):
         self.log("test_acc", self.test_acc, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> Any:
-        """AdamW with decay on matrices/embeddings only, plus optional per-step linear warmup.
+        """AdamW (or 1-bit Adam) with decay on matrices/embeddings only, plus optional per-step linear warmup.
 
         Returns:
             The optimizer, or a dict with the optimizer and a step-interval ``LambdaLR`` when ``warmup_steps > 0``.
@@ -235,9 +250,13 @@ class TransformerLM(LightningModule):
         hp = self.hparams
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=hp.lr
-        )
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if hp.get("optimizer", "adamw") == "onebit_adam":
+            from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+
+            optimizer: torch.optim.Optimizer = OneBitAdam(groups, lr=hp.lr, warmup_steps=hp.onebit_warmup_steps)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr)
         if hp.warmup_steps == 0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(hp.warmup_steps))

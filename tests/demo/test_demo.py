@@ -304,6 +304,8 @@ def test_transformer_lm_trains() -> None:
         ({"lr": -1.0}, "lr"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"warmup_steps": -1}, "warmup_steps"),
+        ({"optimizer": "lamb"}, "optimizer"),
+        ({"optimizer": "onebit_adam", "onebit_warmup_steps": 0}, "onebit_warmup_steps"),
     ],
 )
 def test_transformer_lm_bad_arguments(kwargs: dict[str, object], name: str) -> None:
@@ -341,3 +343,16 @@ def test_lm_activation_checkpointing_gives_the_same_outputs_and_gradients() -> N
     torch.testing.assert_close(ckpt(x), plain(x))
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad)
+
+
+def test_transformer_lm_can_train_with_onebit_adam() -> None:
+    from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+
+    model = TransformerLM(d_model=32, n_layers=1, n_heads=2, seq_len=16, warmup_steps=4, optimizer="onebit_adam",
+                          onebit_warmup_steps=3, weight_decay=0.1)  # fmt: skip
+    conf = model.configure_optimizers()
+    opt = conf["optimizer"]
+    assert isinstance(opt, OneBitAdam) and opt.warmup_steps == 3
+    # Decay on matrices and embeddings only, as with AdamW.
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert isinstance(TransformerLM(d_model=32, n_layers=1, n_heads=2).configure_optimizers(), torch.optim.AdamW)
