@@ -49,9 +49,15 @@ __all__ = ["DelayedAverager", "PeerLostError", "check_settings"]
 Outer = Literal["average", "nesterov"]
 
 
-def check_settings(inter_period: int, max_delay: int, outer: str, outer_lr: float, outer_momentum: float) -> None:
+def check_settings(
+    inter_period: int, max_delay: int, outer: str, outer_lr: float, outer_momentum: float, warmup_steps: int = 0
+) -> None:
     """Validate the averaging settings (shared by :class:`DelayedAverager` and the strategies built on it, which
     check them at construction, before any process starts)."""
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(
+            f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 starts hierarchical averaging at once"
+        )
     if inter_period < 1:
         raise ValueError(f"inter_period must be >= 1, got {inter_period}; HINT: 1 averages across nodes every step")
     if max_delay < 0:
@@ -94,6 +100,9 @@ class DelayedAverager:
         compressor: compression of the cross-node exchange (``None``: plain fp32 all-reduce).
         timeout_s: how long a round may wait for its peers before :class:`PeerLostError`; bounds the cross-node
             group's collectives too when the group was created with ``timeout=timedelta(seconds=timeout_s)``.
+        warmup_steps: steps during which the caller keeps every node identical by itself (gradients averaged over
+            all ranks, as ``HierSyncStrategy`` does): no round is launched, and the anchor is re-taken when the
+            warm-up ends. Rounds then come every ``inter_period`` steps after it.
 
     Example::
 
@@ -120,8 +129,9 @@ class DelayedAverager:
         recorder: StatsRecorder | None = None,
         compressor: Compressor | None = None,
         timeout_s: float = 300.0,
+        warmup_steps: int = 0,
     ) -> None:
-        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
+        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum, warmup_steps)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not 0 <= local_rank < node_size:
@@ -136,6 +146,7 @@ class DelayedAverager:
         self.recorder = recorder
         self.compressor = compressor if compressor is not None and compressor.method != "none" else None
         self.timeout_s = timeout_s
+        self.warmup_steps = warmup_steps
         self._thread: CommThread | None = None
         self.peers: list[int] = []
         if cross_group is not None and num_nodes > 1:
@@ -157,12 +168,21 @@ class DelayedAverager:
     def after_step(self) -> None:
         """Call once per optimizer step, after it: apply the rounds that are due, then maybe launch one."""
         self.step += 1
+        if self.step <= self.warmup_steps:
+            if self.step == self.warmup_steps:
+                self.anchor = self._shard()  # the nodes agree after a synchronous warm-up: the new global model
+            return
         while self.pending and self.step - self.pending[0].step >= self.max_delay:
             self._apply(self.pending.popleft())
-        if self.num_nodes > 1 and self.step % self.inter_period == 0:
+        if self.num_nodes > 1 and (self.step - self.warmup_steps) % self.inter_period == 0:
             self._launch()
             if self.max_delay == 0:
                 self._apply(self.pending.popleft())
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the step now being computed is a warm-up step (gradients must be averaged over all ranks)."""
+        return self.step < self.warmup_steps
 
     def drain(self) -> None:
         """Wait for and apply every round in flight (before a mode switch or teardown)."""

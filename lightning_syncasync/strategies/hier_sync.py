@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -58,6 +59,9 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
         peer_timeout_s: how long an inter-node average may wait for a peer; past it (or as soon as gloo/NCCL sees
             the peer gone) the run ends with an error naming the lost rank instead of hanging.
+        warmup_steps: steps of flat DDP (gradients all-reduced over every rank) before hierarchical averaging starts,
+            as in post-local SGD (Lin et al., 2020): the first steps decide where training goes and are the ones
+            local progress hurts most.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
 
     Example::
@@ -80,9 +84,10 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         compression: str = "none",
         compression_options: dict[str, Any] | None = None,
         peer_timeout_s: float = 60.0,
+        warmup_steps: int = 0,
         **kwargs: Any,
     ) -> None:
-        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
+        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum, warmup_steps)
         check_common("hier_sync does its own cross-node averaging", compression, compression_options, peer_timeout_s,
                      kwargs, type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
@@ -96,10 +101,12 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         self.compression = compression
         self.compression_options = dict(compression_options or {})
         self.peer_timeout_s = peer_timeout_s
+        self.warmup_steps = warmup_steps
         self.sync_stats = StatsRecorder(mode="hier")
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None
         self._node_group: dist.ProcessGroup | None = None
+        self._world_grad_group: dist.ProcessGroup | None = None
         self._avg_node_group: dist.ProcessGroup | None = None
         self._cross_group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
@@ -113,6 +120,8 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         # Every rank creates every group, in the same order (torch requires it). DDP and the averager get separate
         # node groups so that their collectives never interleave on one group.
         self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+        if self.warmup_steps > 0:
+            self._world_grad_group = dist.new_group()  # DDP's hook during warm-up: gradients over every rank
         timeout = timedelta(seconds=self.peer_timeout_s)
         self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
         self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
@@ -128,7 +137,16 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Measure DDP's intra-node gradient all-reduce (registered on every device type, unlike Lightning's hooks).
         assert isinstance(self.model, DistributedDataParallel)
-        MeasuredAllReduce(self.sync_stats, scope="intra", process_group=self._node_group).register(self.model)
+        if self.warmup_steps == 0:
+            MeasuredAllReduce(self.sync_stats, scope="intra", process_group=self._node_group).register(self.model)
+            return
+        # With a warm-up, the hook all-reduces over every rank until the averager says it is over (torch's
+        # post_localSGD_hook, the other way round: DDP is built on the node group, the hook widens it).
+        spans = self.topology is not None and self.topology.num_nodes > 1
+        MeasuredAllReduce(
+            self.sync_stats, scope=lambda: "inter" if self._in_warmup() and spans else "intra",
+            process_group=self._node_group, inner_hook=_warmup_hook, inner_state=self,
+        ).register(self.model)  # fmt: skip
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -157,6 +175,7 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
             recorder=self.sync_stats,
             compressor=Compressor(self.compression, seed=self.global_rank, **self.compression_options),  # type: ignore[arg-type]
             timeout_s=self.peer_timeout_s,
+            warmup_steps=self.warmup_steps,
         )
         if self._restored is not None:
             self.averager.load_state_dict(self._restored)  # after the broadcast: the weights are the checkpoint's
@@ -189,6 +208,10 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
     def _algorithm(self) -> Any | None:
         return self.averager
 
+    def _in_warmup(self) -> bool:
+        # Before the averager exists (DDP's first forward/backward happens after setup) it is step 0.
+        return self.warmup_steps > 0 and (self.averager is None or self.averager.in_warmup)
+
     @override
     def teardown(self) -> None:
         # Wait for in-flight communication before the process groups go away.
@@ -198,8 +221,14 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
             finally:
                 self.averager = None
         super().teardown()
-        destroy_groups(self._node_group, self._avg_node_group, self._cross_group)
-        self._node_group = self._avg_node_group = self._cross_group = None
+        destroy_groups(self._node_group, self._world_grad_group, self._avg_node_group, self._cross_group)
+        self._node_group = self._world_grad_group = self._avg_node_group = self._cross_group = None
+
+
+def _warmup_hook(strategy: HierSyncStrategy, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the mean gradient over every rank during the warm-up, over the node after it."""
+    group = strategy._world_grad_group if strategy._in_warmup() else strategy._node_group
+    return allreduce_hook(group, bucket)
 
 
 def _unwrap(optimizer: Any) -> Any:

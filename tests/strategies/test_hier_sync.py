@@ -65,6 +65,27 @@ def test_synchronous_setting_equals_flat_ddp_after_every_step(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_warmup_steps_are_flat_ddp_then_nodes_train_apart(tmp_path):
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
+    res, summary = _fit(tmp_path / "warm", HierSyncStrategy(warmup_steps=3, inter_period=4, max_delay=1, node_size=2,
+                                                            start_method="fork"))  # fmt: skip
+    for r in range(4):
+        for step in range(3):  # the warm-up: DDP's gradient all-reduce over every rank
+            torch.testing.assert_close(res[r]["steps"][step], ddp[0]["steps"][step], rtol=1e-5, atol=1e-6)
+    # Then each node trains on its own (first round launched at step 3 + 4 = 7): the nodes part, inside a node
+    # the replicas stay equal, and fit() ends with one merged model.
+    assert not torch.allclose(res[0]["steps"][3], res[2]["steps"][3])
+    torch.testing.assert_close(res[0]["steps"][5], res[1]["steps"][5])
+    for r in res[1:]:
+        torch.testing.assert_close(r["final"], res[0]["final"])
+    for rank in summary["ranks"]:
+        # Inter-node over the 8 steps: the 3 warm-up steps' gradient all-reduce and the round launched at step 7
+        # (half of the padded model per local rank); fit's final exact round comes after the last step is counted.
+        half = -(-PARAM_BYTES // 8) * 4
+        assert rank["bytes_inter_per_step"] * 8 == pytest.approx(3 * PARAM_BYTES + half, rel=0.01)
+
+
+@pytest.mark.timeout(300)
 def test_delayed_averaging_ends_with_one_merged_model(tmp_path):
     # inter_period=3 over 8 steps: the last launch is at step 6, so the nodes have unmerged progress at the end.
     res, summary = _fit(tmp_path / "delay", HierSyncStrategy(inter_period=3, max_delay=1, node_size=2,
@@ -121,6 +142,7 @@ def test_node_size_that_does_not_divide_the_world_fails_at_setup(tmp_path):
         ({"compression": "int4"}, "compression must be one of"),
         ({"compression": "powersgd", "compression_options": {"rank": 0}}, "rank must be"),
         ({"peer_timeout_s": 0}, "peer_timeout_s"),
+        ({"warmup_steps": -1}, "warmup_steps"),
     ],
 )
 def test_bad_arguments(kwargs, match):
