@@ -252,6 +252,8 @@ CASES: list[Case] = [
     Case("hier-outer-momentum", "strategy hier_sync", "HierSyncStrategy(outer='nesterov', outer_momentum=1.0)",
          lambda: HierSyncStrategy(outer="nesterov", outer_momentum=1.0), ValueError, r"outer_momentum",
          r"HINT: DiLoCo uses 0.9"),
+    Case("hier-warmup-steps", "strategy hier_sync", "HierSyncStrategy(warmup_steps=-1)",
+         lambda: HierSyncStrategy(warmup_steps=-1), ValueError, r"warmup_steps", r"HINT: 0 starts hierarchical"),
     Case("hier-peer-timeout", "strategy hier_sync", "HierSyncStrategy(peer_timeout_s=0)",
          lambda: HierSyncStrategy(peer_timeout_s=0), ValueError, r"peer_timeout_s", r"HINT: 60"),
     Case("hier-comm-hook", "strategy hier_sync", "HierSyncStrategy(model_averaging_period=4)",
@@ -419,6 +421,9 @@ CASES: list[Case] = [
          r"0\.9 is a good default"),
     Case("hydra-model", "Hydra train app", "model.depth=0", _train_app("model.depth=0"), InstantiationException,
          r"depth", r"set model\.depth to e\.g\. 2"),
+    Case("hydra-lm-optimizer", "Hydra train app", "data=text model=transformer_lm model.optimizer=lamb",
+         _train_app("data=text", "model=transformer_lm", "model.optimizer=lamb"), InstantiationException,
+         r"optimizer must be 'adamw' or 'onebit_adam'", r"set model\.optimizer to 'adamw'"),
     # the Lightning CLI
     Case("cli-strategy-name", "Lightning CLI", "--trainer.strategy=hier_sink",
          _lightning_cli("--trainer.strategy=hier_sink"), ValueError, r"strategy='hier_sink'",
