@@ -345,7 +345,7 @@ def test_lm_activation_checkpointing_gives_the_same_outputs_and_gradients() -> N
         torch.testing.assert_close(b.grad, a.grad)
 
 
-def test_transformer_lm_can_train_with_onebit_adam() -> None:
+def test_transformer_lm_builds_onebit_adam_from_its_settings() -> None:
     from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 
     model = TransformerLM(d_model=32, n_layers=1, n_heads=2, seq_len=16, warmup_steps=4, optimizer="onebit_adam",
