@@ -439,13 +439,10 @@ class ScalingModel:
     def _sync_comm(self, nodes: int, compression: str, ratio: float) -> float:
         ranks, m = self._ranks(nodes), self.procs_per_node
         if compression not in ("none", "powersgd") and nodes > 1 and m > 1:
-            # Compressed DDP across nodes is hierarchical (algorithms/compressed_hook.py): an fp32 reduce-scatter
-            # and all-gather inside the node (one intra all-reduce), and each local rank's B/m shard compressed
-            # across nodes, the m shards sharing the node's link.
-            shard = self.grad_bytes / m
-            link = (self.inter_link[0], self.inter_link[1] / m)
-            comm = self.ring_all_reduce_s(m, self.grad_bytes, self.intra_link)
-            comm += self._collective(nodes, shard, link, compression, ratio) + self._codec_s(nodes, shard, compression)
+            # Compressed DDP across nodes is hierarchical (algorithms/compressed_hook.py), the same shape as a
+            # hier_sync round: blocking here, and its encode/decode on the critical path.
+            comm = self._hier_round_s(nodes, compression, ratio)[0]
+            comm += self._codec_s(nodes, self.grad_bytes / m, compression)
         else:
             comm = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
             comm += self._codec_s(ranks, self.grad_bytes, compression)
