@@ -36,7 +36,7 @@ class StaleGradientCompensation:
     Example::
 
         comp = StaleGradientCompensation("dc_asgd_adaptive", lam=1.0)
-        comp.apply(list(model.parameters()), delta, tau)  # delta: w_now - w_stale, flat, parameters first
+        grad = comp.apply(grad, delta, tau)  # flat gradient; delta: w_now - w_stale over the same parameters
     """
 
     def __init__(self, method: Method = "dc_asgd_adaptive", lam: float = 1.0, ms_momentum: float = 0.95,
@@ -56,34 +56,29 @@ class StaleGradientCompensation:
         self.lam = lam
         self.ms_momentum = ms_momentum
         self.eps = eps
-        self.mean_square: dict[int, torch.Tensor] = {}
+        self.mean_square: torch.Tensor | None = None  # elementwise running mean of g * g
 
     @torch.no_grad()
-    def apply(self, params: list[torch.Tensor], delta: torch.Tensor | None, tau: int) -> None:
-        """Correct ``p.grad`` in place. ``delta`` is ``w_now - w_stale`` flattened over ``params`` in order (extra
-        trailing elements, e.g. buffers, are ignored); ``tau`` the number of other updates it holds."""
+    def apply(self, grad: torch.Tensor, delta: torch.Tensor | None, tau: int) -> torch.Tensor:
+        """Correct a flat gradient (in place, and returned). ``delta`` is ``w_now - w_stale`` over the same
+        parameters in the same order; ``tau`` the number of updates it holds."""
         if self.method == "none":
-            return
+            return grad
         if self.method == "staleness_lr":
             if tau > 0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(1.0 / (1 + tau))
-            return
-        offset = 0
-        for i, p in enumerate(params):
-            n = p.numel()
-            g = p.grad
-            if g is not None:
-                if self.method == "dc_asgd_adaptive":
-                    ms = self.mean_square.get(i)
-                    sq = g * g
-                    ms = sq.clone() if ms is None else ms.mul_(self.ms_momentum).add_(sq, alpha=1 - self.ms_momentum)
-                    self.mean_square[i] = ms
-                if delta is not None:
-                    d = delta[offset : offset + n].view_as(g).to(g.dtype)
-                    lam: Any = self.lam
-                    if self.method == "dc_asgd_adaptive":
-                        lam = self.lam / (self.mean_square[i] + self.eps).sqrt()
-                    g.add_(lam * g * g * d)
-            offset += n
+                grad.mul_(1.0 / (1 + tau))
+            return grad
+        lam: Any = self.lam
+        if self.method == "dc_asgd_adaptive":
+            # Elementwise running mean of g * g (the paper keeps it per parameter; elementwise is the same math).
+            sq = grad * grad
+            ms = self.mean_square
+            if ms is None or ms.shape != sq.shape:
+                ms = sq
+            else:
+                ms.mul_(self.ms_momentum).add_(sq, alpha=1 - self.ms_momentum)
+            self.mean_square = ms
+            lam = self.lam / (ms + self.eps).sqrt()
+        if delta is not None:
+            grad.add_(lam * grad * grad * delta.to(grad.dtype))
+        return grad

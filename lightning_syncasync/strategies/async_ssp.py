@@ -1,9 +1,16 @@
 """``AsyncSSPStrategy`` (``async_ssp``): asynchronous data parallelism with SSP bounded staleness.
 
-Each rank trains its own replica (no DDP gradient all-reduce); the updates travel in the background through
-:class:`~lightning_syncasync.algorithms.ssp.SSPExchange` (see that module for the design, the invariants and the
-papers), optionally compressed, and a stale gradient can be compensated
-(:class:`~lightning_syncasync.algorithms.compensation.StaleGradientCompensation`) before the optimizer applies it.
+Each rank computes gradients on its own replica (no DDP gradient all-reduce) without waiting for the others; the
+gradients travel in the background through :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` (see that
+module for the design, the invariants and the papers), optionally compressed, after a stale gradient is compensated
+(:class:`~lightning_syncasync.algorithms.compensation.StaleGradientCompensation`) for the updates that reached the
+replica while it was computed. Every replica applies the same server updates (the mean of a quorum of gradients,
+fast ranks contributing more of them) with its own optimizer, so the replicas and their optimizer states stay equal.
+
+Differences from DDP a user sees: gradient clipping applies to each server update (the mean gradient, as in DDP);
+``on_before_optimizer_step`` sees no gradients (they have been shipped); one optimizer per module; no fp16
+``GradScaler`` (use ``bf16-mixed``); each param group's learning rate at the step a gradient was computed travels
+with it, and a server update uses the mean of its gradients' rates.
 
 What Lightning's collectives mean here, since ranks are at different steps during an epoch:
 
@@ -31,10 +38,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
-from lightning_syncasync.algorithms._flat import copy_flat_
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.ssp import SSPExchange
+from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
@@ -126,6 +132,7 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self.sync_stats = StatsRecorder(mode="async")
         self.exchange: SSPExchange | None = None
         self._compensator: StaleGradientCompensation | None = None
+        self._apply: ApplyFn | None = None
         self._group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
         self._in_training_step = False
@@ -150,10 +157,11 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if trainer.state.fn != "fit" or self.lightning_module is None:
             return
         module = self.lightning_module
-        self._params = [p for p in module.parameters()]
-        tensors = self._params + [b for b in module.buffers() if b.is_floating_point()]
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
+        self._apply = server_update(optimizer, self._params, module)
         self.exchange = SSPExchange(
-            tensors,
+            self._params,
             self._group,
             staleness=self.staleness,
             timeout_s=self.peer_timeout_s,
@@ -161,6 +169,8 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             recorder=self.sync_stats,
             round_interval_s=self.round_interval_s,
             exchange_every=self.exchange_every,
+            buffers=[b for b in module.buffers() if b.is_floating_point()],
+            num_lrs=len(learning_rates(optimizer)),
         )
         self._compensator = StaleGradientCompensation(self.compensation, self.lam)  # type: ignore[arg-type]
         if self._restored is not None:
@@ -177,7 +187,7 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._compensator is not None
         return ssp_optimizer_step(
-            ex, self._compensator, self._params, self.global_rank, closure,
+            ex, self._compensator, self._apply, optimizer, self.global_rank, closure,
             lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
         )  # fmt: skip
 
@@ -186,13 +196,13 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
     @override
     def on_validation_start(self) -> None:
         if self.exchange is not None and self.lightning_module is not None and self.lightning_module.trainer.training:
-            self.exchange.cut()  # validate the merged model
+            self.exchange.cut(self._apply)  # validate the merged model
         super().on_validation_start()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut()  # all ranks save together: a consistent cut
+            self.exchange.cut(self._apply)  # all ranks save together: a consistent cut
         return super().lightning_module_state_dict()
 
     def _algorithm(self) -> Any | None:
@@ -202,7 +212,7 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
     def on_train_end(self) -> None:
         # The model fit() leaves behind is the merged one; the exchange stops on every rank after the same round.
         if self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(stop=True)
+            self.exchange.cut(self._apply, stop=True)
             _log_staleness(self.exchange)
         super().on_train_end()
 
@@ -216,24 +226,80 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self._group = None
 
 
+def check_async_fit(optimizers: list[Optimizer], precision: Any, name: str) -> Optimizer:
+    """What async training needs of the fit; returns its optimizer. One optimizer: a second one's steps would be
+    counted as gradients of the first's. No fp16 ``GradScaler``: the gradients leave the rank still scaled."""
+    if getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            f"{name} cannot train with fp16 loss scaling (precision='16-mixed'): gradients are shipped before the "
+            "scaler would unscale them. HINT: use precision='bf16-mixed' or '32-true'"
+        )
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"{name} trains with exactly one optimizer, this module configures {len(optimizers)}. HINT: return one "
+            "optimizer (with several param groups if needed) from configure_optimizers, or use hier_sync/ddp"
+        )
+    return optimizers[0]
+
+
+def server_update(optimizer: Optimizer, params: list[torch.Tensor], module: pl.LightningModule) -> ApplyFn:
+    """How a replica applies one server update of :class:`SSPExchange`: the mean gradient into ``p.grad``, the
+    module's gradient clipping (DDP clips the mean gradient too), the update's learning rates, ``optimizer.step()``.
+    The optimizer is the raw one: Lightning's wrapper would call back into the strategy."""
+    opt = getattr(optimizer, "_optimizer", optimizer)
+
+    @torch.no_grad()
+    def apply(grad: torch.Tensor, lrs: list[float]) -> None:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = grad[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+        trainer = module._trainer
+        if trainer is not None and module.automatic_optimization:
+            module.configure_gradient_clipping(opt, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        old = [group["lr"] for group in opt.param_groups]
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        try:
+            opt.step()
+        finally:
+            for group, lr in zip(opt.param_groups, old, strict=True):
+                group["lr"] = lr
+            for p in params:
+                p.grad = None
+
+    return apply
+
+
+def learning_rates(optimizer: Optimizer) -> list[float]:
+    """The learning rate of each param group (shipped with each gradient)."""
+    return [float(group["lr"]) for group in getattr(optimizer, "_optimizer", optimizer).param_groups]
+
+
 def ssp_optimizer_step(
     ex: SSPExchange,
     compensator: StaleGradientCompensation,
-    params: list[torch.Tensor],
+    apply: ApplyFn,
+    optimizer: Optimizer,
     rank: int,
     closure: Callable[[], Any],
     run_step: Callable[[Callable[[], Any]], Any],
     on_nonfinite: Callable[[float], None] | None = None,
 ) -> Any:
-    """One optimizer step under SSP (also ``auto_sync``'s async mode): the gate, what arrived, the closure, the
-    compensation of the stale gradient, the step, and ``1/N`` of the update shipped.
+    """One step under SSP (also ``auto_sync``'s async mode): the gate, the server updates that arrived, the closure
+    (forward and backward on this replica), the compensation of the stale gradient, and the gradient shipped.
 
-    A non-finite loss raises :class:`DivergenceError` before the update leaves the rank; with ``on_nonfinite`` it is
-    reported there instead and this step's update is dropped (the replica keeps what it had merged), so a policy can
-    restore a good state without the NaN having reached any other replica.
+    Lightning's own optimizer step runs with every gradient taken away (a no-op for torch's optimizers, which skip
+    parameters without one); the replica changes only through server updates (``apply``), which carry everyone's
+    gradients, this rank's included. A non-finite loss raises :class:`DivergenceError` before the gradient leaves the
+    rank; with ``on_nonfinite`` it is reported there instead and this step's gradient is dropped, so a policy can
+    restore a good state without the NaN having reached any replica.
     """
-    ex.begin_step()  # the SSP gate, then what the others sent so far
-    before: dict[str, torch.Tensor] = {}
+    ex.begin_step(apply)  # the SSP gate, then the server updates formed so far
+    params = ex.tensors
+    read = ex.flat()
+    taken: dict[str, torch.Tensor] = {}
     bad: list[float] = []
 
     def wrapped() -> Any:
@@ -243,22 +309,31 @@ def ssp_optimizer_step(
             if on_nonfinite is None:
                 raise DivergenceError(
                     f"rank {rank}: loss is {value.item()} at clock {ex.clock} under async training; stopped before "
-                    "the update reached the other replicas. HINT: lower the learning rate or the staleness, or use "
-                    "SyncSwitcher to fall back to synchronous training"
+                    "the gradient reached the other replicas. HINT: lower the learning rate or the staleness, or "
+                    "use SyncSwitcher to fall back to synchronous training"
                 )
             bad.append(float(value.float().mean()))
-        delta, tau = ex.merge()  # updates that arrived during forward/backward
-        compensator.apply(params, delta, tau)
-        before["flat"] = ex.flat()
+        taken["grad"] = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
+        )
+        for p in params:
+            p.grad = None  # the optimizer step Lightning runs next leaves the replica alone
         return loss
 
     out = run_step(wrapped)
-    if "flat" in before:  # the closure ran (an optimizer may skip it, e.g. LBFGS's first call)
-        if bad:
-            copy_flat_(ex.tensors, before["flat"])  # drop the update: the NaN must not reach the others
-            assert on_nonfinite is not None
-            on_nonfinite(bad[0])
-        ex.finish_step(before["flat"])
+    if "grad" not in taken:
+        return out  # the optimizer skipped the closure (e.g. LBFGS's first call): nothing to ship
+    if bad:
+        assert on_nonfinite is not None
+        on_nonfinite(bad[0])
+        ex.ship(None, learning_rates(optimizer))  # dropped: the clock moves on, nothing is sent
+        return out
+    # Server updates that formed during forward/backward: applied now, and the gradient compensated for them.
+    if ex.apply_ready(apply):
+        grad = compensator.apply(taken["grad"], ex.flat() - read, ex.updates_since_read)
+    else:
+        grad = compensator.apply(taken["grad"], None, 0)
+    ex.ship(grad, learning_rates(optimizer))
     return out
 
 

@@ -5,21 +5,22 @@ Modes:
 * ``sync``: DDP's semantics, every gradient all-reduced over all ranks every step.
 * ``hier``: ``hier_sync``'s, gradients all-reduced inside the node and node replicas averaged across nodes by
   :class:`~lightning_syncasync.algorithms.averaging.DelayedAverager` (``inter_period``, ``max_delay``).
-* ``async``: ``async_ssp``'s, local gradients and update deltas exchanged in the background by
-  :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` under the SSP bound ``staleness``.
+* ``async``: ``async_ssp``'s, local gradients exchanged in the background by
+  :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` under the SSP bound ``staleness`` and applied on every
+  replica as the same server updates.
 
 How: the model is wrapped once in torch DDP over all ranks, with one comm hook that reads the mode for each bucket:
 all-reduce over all ranks (sync), over the node (hier), or nothing (async). Switching never rebuilds DDP, and sync
 and hier keep DDP's bucketing and its overlap with backward. DDP's per-forward buffer broadcast is off (it would be
 a collective over all ranks at every forward, putting async ranks back in lockstep); buffers follow the mode
-instead: averaged with the parameters in hier and async, rank 0's made everyone's at switches, validation and the
-end of fit in sync (DDP's rule: rank 0's buffers are the model's).
+instead: averaged with the parameters in hier; rank 0's made everyone's at switches, validation and the end of fit
+in sync and async (DDP's rule: rank 0's buffers are the model's).
 
 A switch (:meth:`AutoSyncStrategy.switch_mode`, called by every rank after the same step, normally by
 :class:`~lightning_syncasync.callbacks.SyncSwitcher`) leaves the current mode at a consistent cut (hier:
 ``DelayedAverager.synchronize``; async: ``SSPExchange.cut(stop=True)``; sync: nothing is in flight after a step),
 so every update made so far is in every replica and the replicas are equal; the optimizer states (moments that
-hier and async let drift apart) are made rank 0's; then the next mode's algorithm starts from that one model.
+hier lets drift apart) are made rank 0's; then the next mode's algorithm starts from that one model.
 
 What Lightning's collectives mean: as in the mode that runs (``hier_sync``'s and ``async_ssp``'s docs); in async
 mode ``self.log(sync_dist=True)`` inside ``training_step`` logs the rank's own value.
@@ -48,14 +49,20 @@ from lightning_syncasync.algorithms.averaging import DelayedAverager, check_sett
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.ssp import SSPExchange
+from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.async_ssp import LocalReduceWhileAsync, ssp_optimizer_step
+from lightning_syncasync.strategies.async_ssp import (
+    LocalReduceWhileAsync,
+    check_async_fit,
+    learning_rates,
+    server_update,
+    ssp_optimizer_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +228,11 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             raise ModeUnavailableError(_no_hier(self.world_size))
         if mode == self.mode:
             return False
+        if mode == "async":
+            try:
+                check_async_fit(self.optimizers, self.precision_plugin, "auto_sync's async mode")
+            except ValueError as err:
+                raise ModeUnavailableError(str(err)) from err
         old = self.mode
         self._leave(old)
         self.mode = mode
@@ -236,11 +248,11 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             self.averager.close()
             self.averager = None
         elif mode == "async" and self.exchange is not None:
-            self.exchange.cut(stop=True)
+            self.exchange.cut(self._server_update(), stop=True)
             self.exchange = None
         self._broadcast_buffers()
-        if mode != "sync":
-            self._broadcast_optimizer_states()  # hier/async let the moments drift apart
+        if mode == "hier":
+            self._broadcast_optimizer_states()  # hier lets the moments drift apart (async's stay equal)
 
     def _enter(self, mode: str, restored: dict[str, Any] | None = None) -> None:
         self.sync_stats.mode = mode
@@ -262,13 +274,16 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             if restored and restored.get("hier") is not None:
                 self.averager.load_state_dict(restored["hier"])
         elif mode == "async":
+            optimizer = check_async_fit(self.optimizers, self.precision_plugin, "auto_sync's async mode")
             self.exchange = SSPExchange(
-                self._tensors,
+                self._trained(),
                 self._groups["ssp"],
                 staleness=self.staleness,
                 timeout_s=self.peer_timeout_s,
                 compressor=self._compressor(),
                 recorder=self.sync_stats,
+                buffers=self._tensors[len(self._params) :],
+                num_lrs=len(learning_rates(optimizer)),
             )
             if restored and restored.get("async") is not None:
                 self.exchange.load_state_dict(restored["async"])
@@ -314,7 +329,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if self.mode == "async" and self.exchange is not None:
             assert self._compensator is not None
             out = ssp_optimizer_step(
-                self.exchange, self._compensator, self._params, self.global_rank, closure,
+                self.exchange, self._compensator, self._server_update(), optimizer, self.global_rank, closure,
                 lambda wrapped: super(AutoSyncStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
                 on_nonfinite=self._held_back,
             )  # fmt: skip
@@ -325,6 +340,14 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if last:
             self._step += 1
         return out
+
+    def _server_update(self) -> ApplyFn:
+        # Built when needed: the optimizer Lightning holds may be replaced (e.g. when a checkpoint is restored).
+        assert self.lightning_module is not None
+        return server_update(self.optimizers[0], self._trained(), self.lightning_module)
+
+    def _trained(self) -> list[torch.Tensor]:
+        return [p for p in self._params if p.requires_grad]
 
     def _held_back(self, loss: float) -> None:
         self.diverged = loss
@@ -337,7 +360,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         module = self.lightning_module
         if module is not None and module.trainer.training:
             if self.exchange is not None:
-                self.exchange.cut()  # validate the merged model (async_ssp's rule)
+                self.exchange.cut(self._server_update())  # validate the merged model (async_ssp's rule)
             elif self.mode == "sync" and self.model is not None:
                 self._broadcast_buffers()
         super().on_validation_start()
@@ -348,7 +371,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if self.averager is not None:
             self.averager.synchronize()
         elif self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut()
+            self.exchange.cut(self._server_update())
         return super().lightning_module_state_dict()
 
     def _algorithm(self) -> Any | None:

@@ -1,4 +1,4 @@
-"""SSPExchange on gloo processes: no update lost or applied twice, the SSP bound, cuts, compression, liveness."""
+"""SSPExchange on gloo processes: no gradient lost or applied twice, the SSP bound, cuts, compression, liveness."""
 
 from __future__ import annotations
 
@@ -13,9 +13,17 @@ from lightning_syncasync.algorithms.ssp import SSPExchange
 from lightning_syncasync.testing import run_distributed
 
 
-def _update(rank: int) -> torch.Tensor:
-    # A fixed "gradient step" per rank: the sum of everything applied is known in closed form.
+def _grad(rank: int) -> torch.Tensor:
+    # A fixed gradient per rank: the sum of everything applied is known in closed form.
     return torch.arange(10.0) * 0.01 + rank
+
+
+def _sgd(w: list[torch.Tensor]):
+    def apply(grad: torch.Tensor, lrs: list[float]) -> None:
+        w[0].sub_(lrs[0] * grad[:4])
+        w[1].sub_(lrs[0] * grad[4:].view(2, 3))
+
+    return apply
 
 
 def _train(rank: int, world: int, steps: list[int], staleness, slow: dict, method: str, every: int = 1) -> dict:
@@ -23,22 +31,19 @@ def _train(rank: int, world: int, steps: list[int], staleness, slow: dict, metho
     ex = SSPExchange(w, dist.new_group(), staleness=staleness, timeout_s=30, exchange_every=every,
                      compressor=Compressor(method, seed=rank) if method != "none" else None)  # fmt: skip
     ex.start()
+    apply, reads = _sgd(w), []
     for _ in range(steps[rank]):
-        ex.begin_step()
+        ex.begin_step(apply)
+        reads.append(ex.flat())
         time.sleep(slow.get(rank, 0.002))  # compute
-        ex.merge()
-        before = ex.flat()
-        with torch.no_grad():
-            w[0].add_(_update(rank)[:4])
-            w[1].add_(_update(rank)[4:].view(2, 3))
-        ex.finish_step(before)
-    ex.cut(stop=True)
-    return {"w": torch.cat([t.flatten() for t in w]), "stats": ex.stats, "clock": ex.clock}
+        ex.ship(_grad(rank), [1.0])
+    ex.cut(apply, stop=True)
+    return {"w": torch.cat([t.flatten() for t in w]), "stats": ex.stats, "clock": ex.clock, "reads": reads}
 
 
 def _expected(steps: list[int]) -> torch.Tensor:
     world = len(steps)
-    return sum(steps[r] * _update(r) for r in range(world)) / world
+    return -sum(steps[r] * _grad(r) for r in range(world)) / world
 
 
 @pytest.mark.timeout(120)
@@ -62,6 +67,10 @@ def test_asp_fast_ranks_contribute_more_updates():
     for r in res:
         torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-5, atol=1e-5)
     assert max(res[0]["stats"].clock_gaps) > 5  # no gate: rank 0 ran well ahead
+    for r in res:
+        # Every gradient is in exactly one server update, and the fast rank filled most of them.
+        assert sum(r["stats"].gradients) == sum(steps) and r["stats"].gradients == res[0]["stats"].gradients
+        assert len(r["stats"].gradients) > steps[1]
 
 
 @pytest.mark.timeout(120)
@@ -75,10 +84,15 @@ def test_exchanging_every_third_step_loses_nothing_and_keeps_the_bound():
 
 
 @pytest.mark.timeout(120)
-def test_staleness_zero_is_lockstep():
+def test_staleness_zero_is_ddp():
     res = run_distributed(_train, 2, [10, 10], 0, {1: 0.01}, "none")
     for r in res:
         assert r["stats"].clock_gaps == [0] * 10
+        assert r["stats"].version_staleness == [0] * 10  # each gradient is applied in the very next update
+        assert r["stats"].gradients == [2] * 10  # ... which holds one gradient of each rank: DDP's mean
+        # Step k reads DDP's weights after k steps, exactly.
+        for k, read in enumerate(r["reads"]):
+            torch.testing.assert_close(read, _expected([k, k]), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(r["w"], _expected([10, 10]), rtol=1e-5, atol=1e-5)
 
 
@@ -98,10 +112,8 @@ def _hung(rank: int, world: int) -> dict:
     ex.start()
     try:
         for _ in range(4 if rank == 1 else 20):
-            ex.begin_step()
-            before = ex.flat()
-            w[0].add_(1.0)
-            ex.finish_step(before)
+            ex.begin_step(lambda grad, lrs: w[0].sub_(grad))
+            ex.ship(torch.ones(3), [1.0])
         if rank == 1:
             time.sleep(12)  # hung after 4 steps: never reaches the next step
             return {}
@@ -138,10 +150,8 @@ def _killed(rank: int, world: int) -> dict:
         for step in range(400):
             if rank == 1 and step == 3:
                 os._exit(0)  # killed: no cleanup, sockets closed by the kernel
-            ex.begin_step()
-            before = ex.flat()
-            w[0].add_(1.0)
-            ex.finish_step(before)
+            ex.begin_step(lambda grad, lrs: w[0].sub_(grad))
+            ex.ship(torch.ones(3), [1.0])
             time.sleep(0.02)
     except PeerLostError as err:
         return {"error": str(err), "after_s": time.perf_counter() - start}
