@@ -131,6 +131,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         """Called by Lightning at each epoch start: a new permutation (same on every rank)."""
         self.epoch = epoch
 
+    @property
+    def sampler(self) -> VariableBatchSampler:
+        # Lightning's epoch hook calls ``loader.batch_sampler.sampler.set_epoch(epoch)``, not the batch sampler's:
+        # without this every epoch reused epoch 0's permutation.
+        return self
+
     def _steps(self, global_batch: int) -> int:
         if self.drop_last:
             return self.dataset_len // global_batch

@@ -36,12 +36,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.batch_sampler import VariableBatchSampler
 from lightning_syncasync.algorithms.batching import BatchBalancer
 from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
@@ -268,20 +268,7 @@ class AdaptiveBatchSize(Callback):
                 f"AdaptiveBatchSize rebuilds the training loader as a plain DataLoader; arguments specific to "
                 f"{type(loader).__name__} are not carried over"
             )
-        kwargs: dict[str, Any] = {
-            "batch_sampler": self.sampler,
-            "num_workers": loader.num_workers,
-            "collate_fn": loader.collate_fn,
-            "pin_memory": loader.pin_memory,
-            "timeout": loader.timeout,
-            "worker_init_fn": loader.worker_init_fn,
-            "multiprocessing_context": loader.multiprocessing_context,
-            "generator": loader.generator,
-            "persistent_workers": loader.persistent_workers,
-            "pin_memory_device": loader.pin_memory_device,
-        }
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs = {"batch_sampler": self.sampler, **loader_kwargs(loader)}
         rank_zero_info(
             f"AdaptiveBatchSize: global batch {global_batch} split {sizes} over {world} ranks"
             + (f" (per node {global_batch // len(groups)})" if groups else "")
@@ -290,22 +277,7 @@ class AdaptiveBatchSize(Callback):
 
     def _order_of(self, sampler: object) -> tuple[bool, int]:
         # The replaced sampler says whether the epoch is shuffled and with which seed.
-        if isinstance(sampler, DistributedSamplerWrapper):
-            raise ValueError(
-                "AdaptiveBatchSize replaces the training sampler, and this loader has a custom sampler (Lightning "
-                "wrapped it in a DistributedSamplerWrapper) whose order it cannot reproduce. Use shuffle=True/False "
-                "in the DataLoader instead of a custom sampler"
-            )
-        if isinstance(sampler, DistributedSampler):
-            return sampler.shuffle, sampler.seed if self.seed is None else self.seed
-        if isinstance(sampler, RandomSampler):
-            return True, 0 if self.seed is None else self.seed
-        if isinstance(sampler, SequentialSampler):
-            return False, 0 if self.seed is None else self.seed
-        raise ValueError(
-            f"AdaptiveBatchSize replaces the training sampler and cannot reproduce a {type(sampler).__name__}; "
-            "use shuffle=True/False in the DataLoader instead of a custom sampler"
-        )
+        return sampling_order(sampler, "AdaptiveBatchSize", self.seed)
 
     def _initial_sizes(self, balancer: BatchBalancer) -> list[int]:
         restored = self._restored

@@ -198,7 +198,8 @@ class StragglerEmulator(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Different ranks draw different jitter, and the same rank draws the same sequence in every run.
         self._rng = random.Random(self.seed * 1_000_003 + trainer.global_rank)
-        planned = trainer.estimated_stepping_batches
+        # async_ssp with claim_batches turns max_steps into a budget over ranks: it says what the run planned.
+        planned = getattr(trainer.strategy, "planned_steps", None) or trainer.estimated_stepping_batches
         self._planned_steps = int(planned) if planned != float("inf") else 0
         # A run bounded by time instead of steps (the benchmark's no-communication runs use max_time): windows are
         # then fractions of that time.

@@ -34,10 +34,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
+from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
@@ -90,6 +94,13 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             lost rank and its last clock.
         round_interval_s: the shortest a rank's exchange thread waits for a new local step before an idle round.
         exchange_every: local steps a rank accumulates before joining an exchange round (1: every step).
+        claim_batches: the ranks claim the batches of each epoch from a shared queue
+            (:class:`~lightning_syncasync.algorithms.claim_sampler.ClaimingBatchSampler`), so a faster rank trains on
+            more of them instead of waiting at every epoch end for a slower one. ``max_steps`` then is a budget over
+            all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
+            ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
+            every_n_train_steps=...)`` count per-rank batches and are refused). Pays off with ``staleness=None``
+            under a persistent straggler, where a finite bound paces every rank by the slow one anyway.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
@@ -111,6 +122,7 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         peer_timeout_s: float = 60.0,
         round_interval_s: float = 0.005,
         exchange_every: int = 1,
+        claim_batches: bool = False,
         **kwargs: Any,
     ) -> None:
         check_async(staleness, compensation, lam)
@@ -129,10 +141,15 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self.peer_timeout_s = peer_timeout_s
         self.round_interval_s = round_interval_s
         self.exchange_every = exchange_every
+        self.claim_batches = claim_batches
+        self.planned_steps: int | None = None  # with claim_batches: the user's max_steps, now a budget over ranks
+        self._claim_budget: int | None = None
+        self._claim_fits = 0
         self.sync_stats = StatsRecorder(mode="async")
         self.exchange: SSPExchange | None = None
         self._compensator: StaleGradientCompensation | None = None
         self._apply: ApplyFn | None = None
+        self._undo_sigterm: Callable[[], None] | None = None
         self._group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
         self._in_training_step = False
@@ -160,6 +177,12 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self._params = [p for p in module.parameters() if p.requires_grad]
         optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
         self._apply = server_update(optimizer, self._params, module)
+        self._undo_sigterm = local_sigterm_check(trainer)
+        if self.claim_batches:
+            self._claim_budget = _claim_budget(trainer, self.world_size)
+            self.planned_steps = trainer.max_steps if trainer.max_steps > 0 else None
+            trainer.fit_loop.epoch_loop.max_steps = -1  # the budget stops every rank at the same epoch end instead
+            self._claim_fits += 1
         self.exchange = SSPExchange(
             self._params,
             self._group,
@@ -178,6 +201,42 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             self._restored = None
         self.exchange.start()
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        training = module is not None and module._trainer is not None and module.trainer.training
+        if self.claim_batches and training and isinstance(dataloader, DataLoader):
+            dataloader = self._claiming_loader(dataloader)
+        return dataloader
+
+    def _claiming_loader(self, loader: DataLoader) -> DataLoader:
+        if isinstance(loader, _ClaimingLoader):
+            return loader
+        if loader.batch_size is None:
+            raise ValueError(
+                "async_ssp(claim_batches=True) rebuilds the training loader from its batch_size, and this loader "
+                "has a custom batch_sampler. HINT: pass batch_size= to the DataLoader, or claim_batches=False"
+            )
+        shuffle, seed = sampling_order(loader.sampler, "async_ssp(claim_batches=True)")
+        store = dist.PrefixStore(f"syncasync_claim/{self._claim_fits}", dist.distributed_c10d._get_default_store())
+        sampler = ClaimingBatchSampler(
+            len(loader.dataset),  # type: ignore[arg-type]
+            loader.batch_size,
+            self.global_rank,
+            self.world_size,
+            store,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            budget=self._claim_budget,
+        )
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        return _ClaimingLoader(
+            loader.dataset, batch_sampler=sampler, on_exhausted=lambda: setattr(trainer, "should_stop", True),
+            **loader_kwargs(loader),
+        )  # fmt: skip
+
     # -- the training step -------------------------------------------------------------------------------------
 
     @override
@@ -195,7 +254,9 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
 
     @override
     def on_validation_start(self) -> None:
-        if self.exchange is not None and self.lightning_module is not None and self.lightning_module.trainer.training:
+        # Not `trainer.training`: Lightning leaves the training stage before this hook, so that test never held and
+        # validation inside fit saw a replica without the updates still in flight.
+        if self.exchange is not None and self.exchange._thread is not None:
             self.exchange.cut(self._apply)  # validate the merged model
         super().on_validation_start()
 
@@ -221,9 +282,72 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if self.exchange is not None:
             self.exchange.close()
             self.exchange = None
+        if self.planned_steps is not None and self.lightning_module is not None:
+            self.lightning_module.trainer.fit_loop.epoch_loop.max_steps = self.planned_steps  # as the user set it
+            self.planned_steps = None
+        if self._undo_sigterm is not None:
+            self._undo_sigterm()
+            self._undo_sigterm = None
         super().teardown()
         destroy_groups(self._group)
         self._group = None
+
+
+class _ClaimingLoader(DataLoader):
+    """The training loader under ``claim_batches``: when the budget is used up, the epoch that just ended is the
+    last (``trainer.should_stop``, set when the iterator ends, i.e. before the epoch's last batch has run, so that
+    batch still runs and Lightning validates after it on every rank)."""
+
+    def __init__(self, *args: Any, on_exhausted: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_exhausted = on_exhausted
+
+    def __iter__(self) -> Any:
+        yield from super().__iter__()
+        if self.batch_sampler.exhausted:  # type: ignore[union-attr]
+            self._on_exhausted()
+
+
+def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
+    """Batches over all ranks for ``claim_batches``; refuses what counts per-rank batches."""
+    if isinstance(trainer.val_check_interval, int):
+        raise ValueError(
+            f"async_ssp(claim_batches=True) validates at epoch ends: ranks train different numbers of batches, so "
+            f"trainer.val_check_interval={trainer.val_check_interval} (every so many batches of each rank) would "
+            "validate at different moments on each rank. HINT: use check_val_every_n_epoch, or claim_batches=False"
+        )
+    for cb in trainer.checkpoint_callbacks:
+        if getattr(cb, "_every_n_train_steps", 0) or getattr(cb, "_train_time_interval", None):
+            raise ValueError(
+                "async_ssp(claim_batches=True): ModelCheckpoint(every_n_train_steps/train_time_interval) counts "
+                "each rank's own steps or clock, which differ across ranks here, so the ranks would save at "
+                "different moments. HINT: checkpoint every_n_epochs, or claim_batches=False"
+            )
+    return trainer.max_steps * world if trainer.max_steps > 0 else None
+
+
+def local_sigterm_check(trainer: pl.Trainer) -> Callable[[], None]:
+    """Stop Lightning's per-step SIGTERM broadcast (from Lightning 2.6 on, every training step broadcasts a flag
+    from rank 0 over the default group); returns what undoes it.
+
+    That broadcast is a collective at every step: under async training it made every rank wait for rank 0 at
+    every step (lockstep with rank 0 as the pacer), and it hangs when ranks train different numbers of batches
+    (``claim_batches``). Here each rank checks its own SIGTERM instead; a peer that exits is caught by the exchange's
+    liveness timeout and the ``PeerWatchdog``, which name it.
+    """
+    loop = trainer.fit_loop.epoch_loop
+
+    def check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
+            del loop._broadcast_sigterm_tensor
+
+    return undo
 
 
 def check_async_fit(optimizers: list[Optimizer], precision: Any, name: str) -> Optimizer:

@@ -60,6 +60,7 @@ from lightning_syncasync.strategies.async_ssp import (
     LocalReduceWhileAsync,
     check_async_fit,
     learning_rates,
+    local_sigterm_check,
     server_update,
     ssp_optimizer_step,
 )
@@ -134,6 +135,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None
         self.exchange: SSPExchange | None = None
+        self._undo_sigterm: Callable[[], None] | None = None  # async mode: Lightning's per-step broadcast is off
         self.diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
         self.switches: list[tuple[int, str, str]] = []  # (step, from, to)
         self._groups: dict[str, Any] = {}
@@ -250,6 +252,9 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         elif mode == "async" and self.exchange is not None:
             self.exchange.cut(self._server_update(), stop=True)
             self.exchange = None
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
+                self._undo_sigterm = None
         self._broadcast_buffers()
         if mode == "hier":
             self._broadcast_optimizer_states()  # hier lets the moments drift apart (async's stay equal)
@@ -275,6 +280,8 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
                 self.averager.load_state_dict(restored["hier"])
         elif mode == "async":
             optimizer = check_async_fit(self.optimizers, self.precision_plugin, "auto_sync's async mode")
+            assert self.lightning_module is not None
+            self._undo_sigterm = local_sigterm_check(self.lightning_module.trainer)
             self.exchange = SSPExchange(
                 self._trained(),
                 self._groups["ssp"],
@@ -358,7 +365,9 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
     @override
     def on_validation_start(self) -> None:
         module = self.lightning_module
-        if module is not None and module.trainer.training:
+        # Validation inside fit (Lightning has left the training stage when this hook runs: `trainer.training` is
+        # already False here).
+        if module is not None and module.trainer.state.fn == "fit":
             if self.exchange is not None:
                 self.exchange.cut(self._server_update())  # validate the merged model (async_ssp's rule)
             elif self.mode == "sync" and self.model is not None:
@@ -394,6 +403,9 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
                 self.exchange.close()
         finally:
             self.averager = self.exchange = None
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
+                self._undo_sigterm = None
             super().teardown()
             destroy_groups(*self._groups.values())
             self._groups = {}

@@ -57,7 +57,8 @@ def test_ssp_bound_holds_under_a_straggler_and_nothing_is_lost():
         assert max(r["stats"].clock_gaps) <= s  # never past the bound
     # The fast ranks did run ahead of the straggler (the bound was used, not trivially met).
     assert max(res[0]["stats"].clock_gaps) == s
-    assert max(res[0]["stats"].version_staleness) >= 1
+    # The straggler's gradients land after server updates the fast ranks filled meanwhile: version staleness.
+    assert max(res[2]["stats"].version_staleness) >= 1
 
 
 @pytest.mark.timeout(120)

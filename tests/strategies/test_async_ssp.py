@@ -24,6 +24,7 @@ class Record(Callback):
     def __init__(self, out: str) -> None:
         self.out = out
         self.steps: list[torch.Tensor] = []
+        self.vals: list[torch.Tensor] = []
         self.stats: dict = {"gaps": [], "versions": []}
 
     def on_train_start(self, trainer, pl_module):
@@ -31,6 +32,11 @@ class Record(Callback):
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.steps.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        # After the strategy's on_validation_start (its cut); not the sanity check's.
+        if batch_idx == 0 and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.vals.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
 
     def on_train_end(self, trainer, pl_module):
         ex = getattr(trainer.strategy, "exchange", None)
@@ -42,6 +48,7 @@ class Record(Callback):
         torch.save(
             {
                 "steps": self.steps,
+                "vals": self.vals,
                 "start": self.start,
                 "final": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
                 **self.stats,
@@ -67,8 +74,11 @@ def _fit(out: Path, strategy, model=None, devices=2, steps=8, ckpt_path=None, ca
 
 @pytest.mark.timeout(300)
 def test_staleness_zero_with_sgd_is_ddp(tmp_path):
-    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
-    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, compensation="none", start_method="fork"))
+    torch.manual_seed(0)
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"), TinyLoggingModel(), val=True)
+    torch.manual_seed(0)
+    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, compensation="none", start_method="fork"),
+                        TinyLoggingModel(), val=True)  # fmt: skip
     for r in range(2):
         assert ssp[r]["gaps"] == [0] * 8  # lockstep: nobody ever starts a step ahead of the others
         assert ssp[r]["versions"] == [0] * 8  # every gradient applied in the next server update
@@ -76,6 +86,10 @@ def test_staleness_zero_with_sgd_is_ddp(tmp_path):
         for k in range(8):
             torch.testing.assert_close(ssp[r]["steps"][k], ddp[0]["steps"][k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ssp[r]["final"], ddp[0]["final"], rtol=1e-5, atol=1e-6)
+        # Validation inside fit (after steps 4 and 8) sees every update so far: the consistent cut.
+        assert len(ssp[r]["vals"]) == 2
+        torch.testing.assert_close(ssp[r]["vals"][0], ddp[0]["steps"][4], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ssp[r]["vals"][1], ddp[0]["final"], rtol=1e-5, atol=1e-6)
     assert summary["mode"] == "async"
     assert all(r["bytes_intra_per_step"] > 0 for r in summary["ranks"])
 
@@ -91,8 +105,9 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
         assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # validation and torchmetrics ran
     assert max(res[0]["gaps"] + res[1]["gaps"]) >= 1  # the fast ranks ran ahead of the straggler
     assert max(res[2]["gaps"]) == 0  # ... which never waited for them
-    assert max(res[0]["versions"]) >= 1
-    assert summary["ranks"][0]["staleness_max"] >= 1
+    # The straggler's gradients land after server updates the fast ranks filled meanwhile.
+    assert max(res[2]["versions"]) >= 1
+    assert summary["ranks"][2]["staleness_max"] >= 1
     # Both figures reach SyncMonitor: rank 0's histograms hold one clock gap per step, none above the bound.
     gaps = {int(k): v for k, v in summary["histograms"]["clock_gap"].items()}
     assert sum(gaps.values()) == 12 and max(gaps) <= s
@@ -143,3 +158,37 @@ def test_registered_names():
 
     t = Trainer(strategy="async_ssp_spawn", accelerator="cpu", devices=2, logger=False)
     assert isinstance(t.strategy, AsyncSSPStrategy) and t.strategy._start_method == "spawn"
+
+
+@pytest.mark.timeout(300)
+def test_claimed_batches_let_fast_ranks_train_more_under_a_straggler(tmp_path):
+    # 3 ranks, rank 2 sleeps 0.1 s per step; 16 batches per epoch, validation at every epoch end, and max_steps=12,
+    # i.e. a budget of 36 batches over the ranks (the samples DDP would see).
+    out = tmp_path / "claim"
+    out.mkdir()
+    trainer = Trainer(
+        accelerator="cpu", devices=3, max_steps=12, logger=False, default_root_dir=out, enable_checkpointing=False,
+        strategy=AsyncSSPStrategy(staleness=None, claim_batches=True, start_method="fork"),
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), Record(str(out))],
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, check_val_every_n_epoch=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(TinyLoggingModel(slow_rank=2, delay=0.1))
+    res = [torch.load(out / f"rank{r}.pt") for r in range(3)]
+    steps = [len(r["steps"]) for r in res]
+    # The budget, plus at most the reserved batches of the last epoch (one per rank, world - 1 at most over it).
+    assert 36 <= sum(steps) <= 38, steps
+    assert min(steps[0], steps[1]) > steps[2], steps  # the straggler trained on fewer batches
+    for r in res:
+        torch.testing.assert_close(r["final"], res[0]["final"], rtol=0, atol=0)  # the merged model everywhere
+        assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # every rank validated at epoch ends
+    assert trainer.max_steps == 12  # given back as the user set it
+
+
+def test_claimed_batches_refuse_per_rank_validation_intervals(tmp_path):
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, default_root_dir=tmp_path, val_check_interval=2,
+        strategy=AsyncSSPStrategy(claim_batches=True), enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"val_check_interval=2 .*HINT: use check_val_every_n_epoch"):
+        trainer.fit(TinyLoggingModel())

@@ -1,0 +1,121 @@
+"""``ClaimingBatchSampler``: the ranks claim the batches of a shared epoch from a counter in the torch store, so a
+faster rank trains on more of them (the work sharing of asynchronous training, as workers of a parameter server pull
+data at their own pace).
+
+Why: with Lightning's ``DistributedSampler`` every rank has the same number of batches per epoch, so under a
+persistently slower rank the fast ranks finish their share early and wait for it at every epoch end (validation, a
+consistent cut): asynchronous training could then never beat the slow rank's pace. Here all ranks draw the same
+epoch permutation (seeded by ``seed`` and the epoch, like ``DistributedSampler``), cut it into batches, and:
+
+* batch ``r`` of every epoch is reserved for rank ``r``, so every rank trains at least one batch in every epoch
+  (Lightning runs epoch ends and their validation on every rank; a rank with an empty epoch would skip them);
+* the other batches go to whoever asks first: ``store.add(key, 1)`` is atomic, so each is claimed exactly once.
+
+Every sample is trained once per epoch, by one rank. ``budget`` (batches over all ranks, e.g. ``max_steps x world``,
+the samples DDP would see) ends training: the claims stop at the budget, every rank finishes the epoch it is in,
+and :attr:`exhausted` says so, identically on every rank (it depends only on the epoch and the shared counter). The
+reserved batches of the last epoch may overshoot the budget by at most ``world - 1`` batches.
+
+The sampler has no ``__len__``: an epoch's length on a rank is only known at its end, so Lightning treats the loader
+as of unknown length and validates at epoch ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ClaimingBatchSampler(Sampler[list[int]]):
+    """Batch sampler whose batches are claimed by the ranks from a shared counter (see the module docstring).
+
+    Args:
+        dataset_len: number of samples in the dataset.
+        batch_size: samples per batch (per rank and step).
+        rank, world: this rank and the number of ranks sharing the epoch.
+        store: a ``torch.distributed`` store every rank reaches (e.g. a ``PrefixStore`` over the default one).
+        shuffle: a new permutation each epoch (seeded by ``seed + epoch``) instead of the dataset order.
+        seed: permutation seed; the same on every rank.
+        drop_last: drop the last, smaller batch of an epoch.
+        budget: batches over all ranks after which training ends (``None``: no limit, epochs run until Lightning's
+            ``max_epochs``).
+
+    Example::
+
+        sampler = ClaimingBatchSampler(len(ds), 128, dist.get_rank(), dist.get_world_size(), store, budget=480)
+        loader = DataLoader(ds, batch_sampler=sampler)
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        batch_size: int,
+        rank: int,
+        world: int,
+        store: Any,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        budget: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        if budget is not None and budget < 1:
+            raise ValueError(f"budget must be >= 1 batch or None, got {budget}")
+        self.dataset_len = dataset_len
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world = world
+        self.store = store
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.budget = budget
+        full, rest = divmod(dataset_len, batch_size)
+        self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
+        if self.batches_per_epoch < world:
+            raise ValueError(
+                f"an epoch has {self.batches_per_epoch} batches of {batch_size} for {world} ranks: every rank needs "
+                "at least one batch per epoch. HINT: lower the batch size or use fewer ranks"
+            )
+        self.epoch = 0
+        self.exhausted = False
+        self.claimed = 0  # batches this rank trained on (over all epochs)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def sampler(self) -> ClaimingBatchSampler:
+        # Lightning's epoch hook calls ``loader.batch_sampler.sampler.set_epoch(epoch)``, not the batch sampler's.
+        return self
+
+    def _batches(self) -> list[list[int]]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        return [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(self.batches_per_epoch)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._batches()
+        per_epoch = self.batches_per_epoch
+        start = self.epoch * per_epoch  # batches every earlier epoch used up (each ran until its queue was empty)
+        # The budget counts claims in order, so a batch is trained iff its claim number is below it.
+        self.claimed += 1
+        yield batches[self.rank]  # reserved: every rank trains at least once per epoch
+        while True:
+            index = self.world + int(self.store.add(f"claim/e{self.epoch}", 1)) - 1
+            if index >= per_epoch or (self.budget is not None and start + index >= self.budget):
+                break
+            self.claimed += 1
+            yield batches[index]
+        # Every rank ends this epoch; whether training is over depends only on the epoch and the budget.
+        self.exhausted = self.budget is not None and start + min(index, per_epoch) >= self.budget

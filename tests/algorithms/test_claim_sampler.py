@@ -1,0 +1,63 @@
+"""ClaimingBatchSampler with a real torch store shared by two samplers (the ranks): every batch of an epoch is
+trained exactly once, faster ranks claim more, the budget ends every rank at the same epoch."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
+
+
+def _run_epoch(samplers, epoch, pace):
+    """Drain one epoch; rank r pulls ``pace[r]`` batches per turn (its speed)."""
+    its = []
+    for s in samplers:
+        s.set_epoch(epoch)
+        its.append(iter(s))
+    got, live = [[] for _ in samplers], set(range(len(samplers)))
+    while live:
+        for r in sorted(live):
+            for _ in range(pace[r]):
+                batch = next(its[r], None)
+                if batch is None:
+                    live.discard(r)
+                    break
+                got[r].append(batch)
+    return got
+
+
+def test_every_batch_once_and_the_fast_rank_takes_more():
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(100, 10, r, 2, store, seed=3) for r in range(2)]
+    for epoch in range(2):
+        got = _run_epoch(samplers, epoch, pace=[3, 1])
+        flat = sorted(i for batches in got for b in batches for i in b)
+        assert flat == list(range(100))  # every sample once, by one rank
+        assert len(got[0]) > len(got[1]) >= 1
+        assert not any(s.exhausted for s in samplers)
+    # A new epoch is a new permutation (the same on every rank).
+    assert samplers[0]._batches() != ClaimingBatchSampler(100, 10, 0, 2, store, seed=3)._batches()
+
+
+def test_the_budget_ends_every_rank_in_the_same_epoch():
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(80, 10, r, 3, store, budget=13, shuffle=False) for r in range(3)]
+    first = _run_epoch(samplers, 0, pace=[2, 1, 1])
+    assert sum(len(g) for g in first) == 8 and not any(s.exhausted for s in samplers)
+    second = _run_epoch(samplers, 1, pace=[1, 2, 1])
+    # 8 + 5 = 13 batches; every rank had its reserved batch, so the last epoch may overshoot by world - 1 at most.
+    assert 5 <= sum(len(g) for g in second) <= 5 + 2
+    assert all(len(g) >= 1 for g in second)
+    assert all(s.exhausted for s in samplers)  # the same verdict on every rank
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"batch_size": 0}, "batch_size"), ({"rank": 2}, "rank"), ({"budget": 0}, "budget"),
+     ({"batch_size": 100}, "at least one batch per epoch")],
+)  # fmt: skip
+def test_bad_arguments(kwargs, match):
+    args = {"dataset_len": 100, "batch_size": 10, "rank": 0, "world": 2, "store": dist.HashStore(), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ClaimingBatchSampler(**args)
