@@ -24,7 +24,7 @@ from unittest import mock
 
 import pytest
 import torch
-from _models import TinyModel
+from _models import ManualTwoOptimizersModel, TinyModel
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning_syncasync.train as train_app
 from lightning_syncasync.advise.__main__ import main as advise_main
 from lightning_syncasync.algorithms.batching import BatchBalancer
+from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.costmodel import ScalingModel
@@ -190,6 +191,18 @@ def _fit(*callbacks: Any, model: Any = None, **trainer_kwargs: Any) -> Callable[
     return attempt
 
 
+def _fit_with_step_checkpoints() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(
+            accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp,
+            strategy=AsyncSSPStrategy(claim_batches=True), callbacks=[ModelCheckpoint(every_n_train_steps=5)],
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(TinyModel())
+
+
 class _Stream(IterableDataset):
     def __iter__(self):
         g = torch.Generator().manual_seed(0)
@@ -291,6 +304,21 @@ CASES: list[Case] = [
     Case("ssp-staleness-differs-across-ranks", "strategy async_ssp",
          "staleness=2 on one node, staleness=3 on another", _mismatched_staleness_fit, Exception,
          r"staleness=.* different on ranks", r"HINT: every node must start with the same configuration", SETUP),
+    Case("ssp-claim-val-interval", "strategy async_ssp",
+         "AsyncSSPStrategy(claim_batches=True) with Trainer(val_check_interval=2)",
+         _fit(strategy=AsyncSSPStrategy(claim_batches=True), val_check_interval=2), ValueError,
+         r"val_check_interval=2", r"HINT: use check_val_every_n_epoch", SETUP),
+    Case("ssp-claim-step-checkpoints", "strategy async_ssp",
+         "AsyncSSPStrategy(claim_batches=True) with ModelCheckpoint(every_n_train_steps=5)",
+         _fit_with_step_checkpoints, ValueError, r"every_n_train_steps", r"HINT: checkpoint every_n_epochs", SETUP),
+    Case("ssp-two-optimizers", "strategy async_ssp", "AsyncSSPStrategy() with two optimizers",
+         _fit(strategy=AsyncSSPStrategy(), model=ManualTwoOptimizersModel()), ValueError,
+         r"exactly one optimizer", r"HINT: return one optimizer", SETUP),
+    Case("claim-batch-size", "algorithm ClaimingBatchSampler", "ClaimingBatchSampler(batch_size=0)",
+         lambda: ClaimingBatchSampler(100, 0, 0, 2, None), ValueError, r"batch_size must", r"HINT: the DataLoader"),
+    Case("claim-too-few-batches", "algorithm ClaimingBatchSampler", "4 ranks, 3 batches per epoch",
+         lambda: ClaimingBatchSampler(30, 10, 0, 4, None), ValueError, r"at least one batch per epoch",
+         r"HINT: lower the batch size"),
     # strategy auto_sync
     Case("auto-staleness", "strategy auto_sync", "AutoSyncStrategy(staleness=-2)",
          lambda: AutoSyncStrategy(staleness=-2), ValueError, r"staleness", r"HINT: 0 is synchronous"),

@@ -62,11 +62,13 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         budget: int | None = None,
     ) -> None:
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}; HINT: the DataLoader's batch_size per rank")
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
         if budget is not None and budget < 1:
-            raise ValueError(f"budget must be >= 1 batch or None, got {budget}")
+            raise ValueError(
+                f"budget must be >= 1 batch or None, got {budget}; HINT: max_steps x world, or None for no limit"
+            )
         self.dataset_len = dataset_len
         self.batch_size = batch_size
         self.rank = rank
