@@ -16,3 +16,15 @@ def _isolated_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A single-process fit that fails in setup (the bad-input rows, refused settings) leaves torch's default process
+    group initialised in the pytest process; a later test's forked ranks would inherit it and fail to build their
+    own groups (gloo raised std::bad_alloc)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
