@@ -327,8 +327,8 @@ def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
 
 
 def local_sigterm_check(trainer: pl.Trainer) -> Callable[[], None]:
-    """Stop Lightning's per-step SIGTERM broadcast (from Lightning 2.6 on, every training step broadcasts a flag
-    from rank 0 over the default group); returns what undoes it.
+    """Stop Lightning's per-step SIGTERM broadcast (in Lightning 2.6.6, every training step broadcasts a flag from
+    rank 0 over the default group); returns what undoes it.
 
     That broadcast is a collective at every step: under async training it made every rank wait for rank 0 at
     every step (lockstep with rank 0 as the pacer), and it hangs when ranks train different numbers of batches
