@@ -58,6 +58,11 @@ class StaleGradientCompensation:
         self.eps = eps
         self.mean_square: torch.Tensor | None = None  # elementwise running mean of g * g
 
+    @property
+    def needs_delta(self) -> bool:
+        """Whether :meth:`apply` reads ``delta`` (DC-ASGD): callers can skip copying the weights otherwise."""
+        return self.method in ("dc_asgd", "dc_asgd_adaptive")
+
     @torch.no_grad()
     def apply(self, grad: torch.Tensor, delta: torch.Tensor | None, tau: int) -> torch.Tensor:
         """Correct a flat gradient (in place, and returned). ``delta`` is ``w_now - w_stale`` over the same

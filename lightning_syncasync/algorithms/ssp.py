@@ -85,7 +85,6 @@ class SSPStats:
     clock_gaps: list[int] = field(default_factory=list)
     version_staleness: list[int] = field(default_factory=list)
     rounds: int = 0
-    updates: int = 0  # server updates applied
     gradients: list[int] = field(default_factory=list)  # gradients in each server update
 
 
@@ -178,7 +177,6 @@ class SSPExchange:
         self.stats = SSPStats()
         self._outbox = torch.zeros(self.numel)
         self._outbox_lrs = torch.zeros(num_lrs, dtype=torch.float64)
-        self._outbox_count = 0
         # Per gradient waiting for its round: the server updates the replica held when it was computed.
         self._outbox_reads: list[int] = []
         self._read = 0
@@ -268,7 +266,6 @@ class SSPExchange:
         for grad, lrs, count in ready:
             apply(grad, lrs)
             self.applied += 1
-            self.stats.updates += 1
             self.stats.gradients.append(count)
         return len(ready)
 
@@ -291,7 +288,6 @@ class SSPExchange:
             if grad is not None:
                 self._outbox += grad
                 self._outbox_lrs += torch.tensor(list(lrs), dtype=torch.float64)
-                self._outbox_count += 1
                 self._outbox_reads.append(self._read)
             self.clock += 1
             self._cond.notify_all()
@@ -362,10 +358,9 @@ class SSPExchange:
                         continue
                     send, self._outbox = self._outbox, torch.zeros(self.numel)
                     lrs, self._outbox_lrs = self._outbox_lrs, torch.zeros(self.num_lrs, dtype=torch.float64)
-                    count, self._outbox_count = self._outbox_count, 0
                     shipped, self._outbox_reads = self._outbox_reads, []
                     clock, flag = self.clock, 1.0 if self._cut_requested else 0.0
-                self._round(send, lrs, count, shipped, clock, flag)
+                self._round(send, lrs, shipped, clock, flag)
         except BaseException as err:  # noqa: BLE001 - handed to the training loop, which raises it
             with self._cond:
                 self._error = err
@@ -375,14 +370,13 @@ class SSPExchange:
         """Local steps since the last round (a dropped step counts: its clock must still travel)."""
         return self.clock - self.known_clocks[self.rank]
 
-    def _round(self, send: torch.Tensor, lrs: torch.Tensor, count: int, shipped: list[int], clock: int,
-               flag: float) -> None:  # fmt: skip
+    def _round(self, send: torch.Tensor, lrs: torch.Tensor, shipped: list[int], clock: int, flag: float) -> None:
         # meta: clock per rank, cut flags, gradient count, learning-rate sums. Exact in fp32 below 2**24 (counts);
         # the rates are summed in the same order on every rank, so every rank reads the same mean.
         meta = torch.zeros(self.world + 2 + self.num_lrs, dtype=torch.float64)
         meta[self.rank] = clock
         meta[self.world] = flag
-        meta[self.world + 1] = count
+        meta[self.world + 1] = len(shipped)  # one read per gradient in the outbox
         meta[self.world + 2 :] = lrs
         if self.compressor is None:
             # One all-reduce: the gradients and, in the same fp32 buffer, the metadata.

@@ -47,6 +47,7 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
+from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -370,7 +371,7 @@ def server_update(optimizer: Optimizer, params: list[torch.Tensor], module: pl.L
     """How a replica applies one server update of :class:`SSPExchange`: the mean gradient into ``p.grad``, the
     module's gradient clipping (DDP clips the mean gradient too), the update's learning rates, ``optimizer.step()``.
     The optimizer is the raw one: Lightning's wrapper would call back into the strategy."""
-    opt = getattr(optimizer, "_optimizer", optimizer)
+    opt = unwrap_optimizer(optimizer)
 
     @torch.no_grad()
     def apply(grad: torch.Tensor, lrs: list[float]) -> None:
@@ -398,7 +399,7 @@ def server_update(optimizer: Optimizer, params: list[torch.Tensor], module: pl.L
 
 def learning_rates(optimizer: Optimizer) -> list[float]:
     """The learning rate of each param group (shipped with each gradient)."""
-    return [float(group["lr"]) for group in getattr(optimizer, "_optimizer", optimizer).param_groups]
+    return [float(group["lr"]) for group in unwrap_optimizer(optimizer).param_groups]
 
 
 def ssp_optimizer_step(
@@ -422,7 +423,8 @@ def ssp_optimizer_step(
     """
     ex.begin_step(apply)  # the SSP gate, then the server updates formed so far
     params = ex.tensors
-    read = ex.flat()
+    # The weights the gradient is computed on, for DC-ASGD's correction only: a full copy of the model per step.
+    read = ex.flat() if compensator.needs_delta else None
     taken: dict[str, torch.Tensor] = {}
     bad: list[float] = []
 
@@ -454,7 +456,8 @@ def ssp_optimizer_step(
         return out
     # Server updates that formed during forward/backward: applied now, and the gradient compensated for them.
     if ex.apply_ready(apply):
-        grad = compensator.apply(taken["grad"], ex.flat() - read, ex.updates_since_read)
+        delta = ex.flat() - read if read is not None else None
+        grad = compensator.apply(taken["grad"], delta, ex.updates_since_read)
     else:
         grad = compensator.apply(taken["grad"], None, 0)
     ex.ship(grad, learning_rates(optimizer))

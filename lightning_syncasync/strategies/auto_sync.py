@@ -54,6 +54,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
+from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
@@ -136,6 +137,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self.averager: DelayedAverager | None = None
         self.exchange: SSPExchange | None = None
         self._undo_sigterm: Callable[[], None] | None = None  # async mode: Lightning's per-step broadcast is off
+        self._apply: ApplyFn | None = None  # async mode: how this replica applies a server update
         self.diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
         self.switches: list[tuple[int, str, str]] = []  # (step, from, to)
         self._groups: dict[str, Any] = {}
@@ -250,8 +252,9 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             self.averager.close()
             self.averager = None
         elif mode == "async" and self.exchange is not None:
-            self.exchange.cut(self._server_update(), stop=True)
-            self.exchange = None
+            assert self._apply is not None
+            self.exchange.cut(self._apply, stop=True)
+            self.exchange = self._apply = None
             if self._undo_sigterm is not None:
                 self._undo_sigterm()
                 self._undo_sigterm = None
@@ -281,9 +284,11 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         elif mode == "async":
             optimizer = check_async_fit(self.optimizers, self.precision_plugin, "auto_sync's async mode")
             assert self.lightning_module is not None
+            trained = [p for p in self._params if p.requires_grad]
+            self._apply = server_update(optimizer, trained, self.lightning_module)
             self._undo_sigterm = local_sigterm_check(self.lightning_module.trainer)
             self.exchange = SSPExchange(
-                self._trained(),
+                trained,
                 self._groups["ssp"],
                 staleness=self.staleness,
                 timeout_s=self.peer_timeout_s,
@@ -312,9 +317,9 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         tensors = [
             v
             for opt in self.optimizers
-            for group in _unwrap(opt).param_groups
+            for group in unwrap_optimizer(opt).param_groups
             for p in group["params"]
-            for _, v in sorted(_unwrap(opt).state.get(p, {}).items())
+            for _, v in sorted(unwrap_optimizer(opt).state.get(p, {}).items())
             if isinstance(v, torch.Tensor)
         ]
         # Every rank must broadcast the same list: compare the counts first, so a mismatch fails clearly.
@@ -332,11 +337,11 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        last = not self.optimizers or _unwrap(optimizer) is _unwrap(self.optimizers[-1])
+        last = not self.optimizers or unwrap_optimizer(optimizer) is unwrap_optimizer(self.optimizers[-1])
         if self.mode == "async" and self.exchange is not None:
-            assert self._compensator is not None
+            assert self._compensator is not None and self._apply is not None
             out = ssp_optimizer_step(
-                self.exchange, self._compensator, self._server_update(), optimizer, self.global_rank, closure,
+                self.exchange, self._compensator, self._apply, optimizer, self.global_rank, closure,
                 lambda wrapped: super(AutoSyncStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
                 on_nonfinite=self._held_back,
             )  # fmt: skip
@@ -347,14 +352,6 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if last:
             self._step += 1
         return out
-
-    def _server_update(self) -> ApplyFn:
-        # Built when needed: the optimizer Lightning holds may be replaced (e.g. when a checkpoint is restored).
-        assert self.lightning_module is not None
-        return server_update(self.optimizers[0], self._trained(), self.lightning_module)
-
-    def _trained(self) -> list[torch.Tensor]:
-        return [p for p in self._params if p.requires_grad]
 
     def _held_back(self, loss: float) -> None:
         self.diverged = loss
@@ -369,7 +366,8 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         # already False here).
         if module is not None and module.trainer.state.fn == "fit":
             if self.exchange is not None:
-                self.exchange.cut(self._server_update())  # validate the merged model (async_ssp's rule)
+                assert self._apply is not None
+                self.exchange.cut(self._apply)  # validate the merged model (async_ssp's rule)
             elif self.mode == "sync" and self.model is not None:
                 self._broadcast_buffers()
         super().on_validation_start()
@@ -380,7 +378,8 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         if self.averager is not None:
             self.averager.synchronize()
         elif self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(self._server_update())
+            assert self._apply is not None
+            self.exchange.cut(self._apply)
         return super().lightning_module_state_dict()
 
     def _algorithm(self) -> Any | None:
@@ -402,7 +401,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             if self.exchange is not None:
                 self.exchange.close()
         finally:
-            self.averager = self.exchange = None
+            self.averager = self.exchange = self._apply = None
             if self._undo_sigterm is not None:
                 self._undo_sigterm()
                 self._undo_sigterm = None
@@ -451,7 +450,3 @@ def _no_hier(world_size: int) -> str:
         f"mode 'hier' needs more than one node, and this run has one node of {world_size} ranks. HINT: set "
         f"node_size (e.g. node_size={max(world_size // 2, 1)}) to form virtual nodes, or use mode 'sync'/'async'"
     )
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)

@@ -34,6 +34,7 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
+from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -186,7 +187,7 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         # One averaging step per training step: with several optimizers, after the last one has stepped.
-        if self.averager is not None and (not self.optimizers or optimizer is _unwrap(self.optimizers[-1])):
+        if self.averager is not None and (not self.optimizers or optimizer is unwrap_optimizer(self.optimizers[-1])):
             self.averager.after_step()
         return out
 
@@ -230,7 +231,3 @@ def _warmup_hook(strategy: HierSyncStrategy, bucket: dist.GradBucket) -> torch.f
     """DDP comm hook: the mean gradient over every rank during the warm-up, over the node after it."""
     group = strategy._world_grad_group if strategy._in_warmup() else strategy._node_group
     return allreduce_hook(group, bucket)
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)

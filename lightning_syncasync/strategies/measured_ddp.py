@@ -52,6 +52,7 @@ from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_compression_options, check_kwargs, check_node_size
+from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = unwrap_optimizer(optimizer)
         if isinstance(opt, OneBitAdam) and opt.bytes_last_step:
             # The momentum exchange happens inside the optimizer's step: its measured payload.
             assert self.topology is not None
@@ -254,7 +255,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         return "inter" if dist.get_world_size(group) > topo.node_size else "intra"
 
     def _onebit(self) -> list[OneBitAdam]:
-        return [o for o in (getattr(o, "_optimizer", o) for o in self.optimizers) if isinstance(o, OneBitAdam)]
+        return [o for o in (unwrap_optimizer(o) for o in self.optimizers) if isinstance(o, OneBitAdam)]
 
     def _onebit_past_warmup(self) -> bool:
         onebit = self._onebit()
