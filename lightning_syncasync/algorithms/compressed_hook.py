@@ -51,6 +51,8 @@ class CompressedAllReduce:
             both used by nothing else. Given both, buckets are all-reduced hierarchically (module docstring):
             full precision inside the node, compressed across nodes. ``powersgd`` stays flat (its factors follow
             the parameters' shapes, which a shard cuts through).
+        warmup_steps: optimizer steps whose gradients are all-reduced in full precision before compression starts
+            (torch's ``start_powerSGD_iter``; see ``MeasuredDDPStrategy``'s ``compression_warmup_steps``).
 
     Example::
 
@@ -66,6 +68,7 @@ class CompressedAllReduce:
         process_group: dist.ProcessGroup | None = None,
         node_group: dist.ProcessGroup | None = None,
         cross_group: dist.ProcessGroup | None = None,
+        warmup_steps: int = 0,
     ) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
@@ -73,7 +76,12 @@ class CompressedAllReduce:
             raise ValueError(f"scope must be 'intra' or 'inter', got {scope!r}")
         if (node_group is None) != (cross_group is None):
             raise ValueError("node_group and cross_group go together: give both for the hierarchical path, or neither")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 compresses from the start")
         self.compressor = compressor
+        self.warmup_steps = warmup_steps
+        self.steps = 0  # optimizer steps whose buckets have all been handed to the thread (the warm-up's clock)
+        self._plain = Compressor("none")  # the warm-up's full-precision exchange (no state of its own)
         self.recorder = recorder
         self.scope: Scope = scope
         self.process_group = process_group
@@ -97,13 +105,15 @@ class CompressedAllReduce:
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals by parameter index, and the compressor's state (PowerSGD factors, counter)."""
         comp = self.compressor.state_dict()
-        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}, "compressor": comp}
+        residuals = {k: v.clone() for k, v in self.residuals.items()}
+        return {"residuals": residuals, "compressor": comp, "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.compressor.load_state_dict(state["compressor"])
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+        self.steps = int(state.get("steps", 0))
 
-    def _hierarchical(self, sent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _hierarchical(self, sent: torch.Tensor, compressor: Compressor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mean of ``sent`` over the world: node sum by reduce-scatter, compressed exchange of this rank's shard
         across nodes, all-gather inside the node. Returns ``(mean, what to add to this rank's next input)``."""
         k = dist.get_world_size(self.node_group)
@@ -112,13 +122,13 @@ class CompressedAllReduce:
         shard = torch.empty(padded.numel() // k, dtype=padded.dtype)
         reduce_scatter_flat(shard, padded, self.node_group)
         shard /= k  # the node's mean: the cross-node mean of node means is the world's mean (equal node sizes)
-        mean_shard, own, inter_bytes = self.compressor.exchange(shard, self.cross_group)
+        mean_shard, own, inter_bytes = compressor.exchange(shard, self.cross_group)
         mean = torch.empty_like(padded)
         all_gather_flat(mean, mean_shard, self.node_group)
         # Bytes of the tensors handed to each collective, by the link they cross.
         self.recorder.record_blocking((padded.numel() + shard.numel()) * 4, "intra", 0.0)
         self.recorder.record_blocking(inter_bytes, "inter", 0.0)
-        if not self.compressor.error_feedback:
+        if not compressor.error_feedback:
             return mean[:numel], None
         # What compression dropped from the node's mean, in units of one rank's input (the node sums k inputs and
         # divides by k), at this rank's shard; zero elsewhere (other local ranks hold theirs).
@@ -139,6 +149,10 @@ class CompressedAllReduce:
             offset += p.numel()
         pieces.sort(key=lambda piece: piece[0])
         state.recorder.record_launch(0, state.scope, at=time.perf_counter())
+        # Decided here, in bucket order on the training thread, so every bucket of a step (and every rank) agrees.
+        compressor = state._plain if state.steps < state.warmup_steps else state.compressor
+        if bucket.is_last():
+            state.steps += 1
         if state._thread is None:
             state._thread = CommThread("syncasync-ddp-compression")
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -152,12 +166,12 @@ class CompressedAllReduce:
                 parts.append(piece + residual if residual is not None else piece)
             sent = torch.cat(parts)
             if state.hierarchical:
-                mean, dropped = state._hierarchical(sent)
+                mean, dropped = state._hierarchical(sent, compressor)
             else:
                 key = ",".join(str(i) for i, *_ in pieces)
-                mean, own, nbytes = state.compressor.exchange(sent, state.process_group, key, [sh for *_, sh in pieces])
+                mean, own, nbytes = compressor.exchange(sent, state.process_group, key, [sh for *_, sh in pieces])
                 state.recorder.record_blocking(nbytes, state.scope, 0.0)
-                dropped = sent - own if state.compressor.error_feedback else None
+                dropped = sent - own if compressor.error_feedback else None
             out = torch.empty_like(flat)
             pos = 0
             for i, off, n, _ in pieces:

@@ -28,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-netns", action="store_true", help="loopback only: no link limits (no root needed)")
     p.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="run the (multi-node) scenarios with this inter-node link rate instead of their own; results go under "
+        "the scenario's name with the rate appended (slow_link_25mbit)",
+    )
+    p.add_argument(
         "--override",
         action="append",
         default=[],
@@ -53,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names if n not in SCENARIOS]
         if unknown or not names:
             raise ValueError(f"unknown --scenario {unknown or names}; HINT: choose from {sorted(SCENARIOS)}")
+        scenarios = [SCENARIOS[n] for n in names]
+        if args.link_mbit is not None:
+            if args.no_netns:
+                raise ValueError("--link-mbit needs network namespaces; HINT: drop --no-netns (and run as root)")
+            scenarios = [s.with_link(args.link_mbit) for s in scenarios]
         contenders = resolve_contenders(args.strategies)
         netns = not args.no_netns
-        if netns and any(SCENARIOS[n].netns for n in names):
+        if netns and any(s.netns for s in scenarios):
             check_netns_support()
         bad = [o for o in args.override if "=" not in o]
         if bad:
@@ -69,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "syncasync-bench " + shlex.join(argv)
     records = []
-    for name in names:
-        fresh = runner.run(SCENARIOS[name], contenders)
+    for scenario in scenarios:
+        fresh = runner.run(scenario, contenders)
         for rec in fresh:
             rec["command"] = command
         records = merge_results(out, fresh)

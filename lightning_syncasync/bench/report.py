@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync.bench.runner import median_or_none
-from lightning_syncasync.bench.scenarios import SCENARIOS
+from lightning_syncasync.bench.scenarios import SCENARIOS, lookup
 
 
 def merge_results(out_dir: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,7 +78,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
         "",
     ]
     for name, by_strategy in table.items():
-        sc = SCENARIOS.get(name)
+        sc = lookup(name)
         any_run = next(iter(by_strategy.values()))["runs"][0]
         quick = any_run.get("quick")
         lines += [f"## {name}{' (quick)' if quick else ''}", ""]
@@ -195,7 +195,7 @@ def rebalance_lags(scenario: str, run: dict[str, Any]) -> list[dict[str, Any]]:
     """
     from lightning_syncasync.callbacks.straggler import parse_schedule
 
-    sc = SCENARIOS.get(scenario)
+    sc = lookup(scenario)
     if sc is None or not sc.schedule:
         return []
     steps = run.get("steps") or 0

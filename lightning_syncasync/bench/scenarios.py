@@ -22,7 +22,7 @@ Workloads and what they mirror:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,23 @@ class Scenario:
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    def with_link(self, mbit: float) -> Scenario:
+        """The same scenario with another inter-node link rate, under its own name (``slow_link_25mbit``), so its
+        results never mix with the original's in an output folder. Targets and budgets stay the same."""
+        if self.nodes < 2:
+            raise ValueError(
+                f"--link-mbit needs a scenario with several nodes; {self.name!r} has {self.nodes}. HINT: use it with "
+                "slow_link or homogeneous"
+            )
+        if not mbit > 0:
+            raise ValueError(f"--link-mbit must be > 0, got {mbit:g}; HINT: e.g. --link-mbit 25")
+        return replace(
+            self,
+            name=f"{self.name}_{mbit:g}mbit".replace(".", "p"),
+            description=f"{self.description}; link rate changed to {mbit:g} Mbit/s",
+            link_mbit=mbit,
+        )
 
     def reached(self, value: float, quick: bool) -> bool:
         target = self.quick_target if quick else self.target
@@ -140,3 +157,16 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }  # fmt: skip
+
+
+def lookup(name: str) -> Scenario | None:
+    """The scenario a results folder names: a built-in one, or one made by :meth:`Scenario.with_link`."""
+    if name in SCENARIOS:
+        return SCENARIOS[name]
+    base, _, rate = name.rpartition("_")
+    if base in SCENARIOS and rate.endswith("mbit"):
+        try:
+            return SCENARIOS[base].with_link(float(rate[: -len("mbit")].replace("p", ".")))
+        except ValueError:
+            return None
+    return None

@@ -77,6 +77,9 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
             ``powersgd`` (``local_sgd=None`` only).
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
             With compression (but powersgd), DDP's ``bucket_cap_mb`` defaults to ``COMPRESSED_BUCKET_MB`` (2), not 25.
+        compression_warmup_steps: optimizer steps whose gradients are all-reduced in full precision before
+            compression starts (torch's ``start_powerSGD_iter``). ``sign`` on an Adam-family optimizer needs it to
+            pass the LM demo's early plateau (README: 10 steps).
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...). A user
             ``ddp_comm_hook``/``ddp_comm_state`` is registered on every device type and measured.
 
@@ -93,9 +96,20 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         node_size: int | None = None,
         compression: str = "none",
         compression_options: dict[str, Any] | None = None,
+        compression_warmup_steps: int = 0,
         **kwargs: Any,
     ) -> None:
         check_compression_options(compression, compression_options)  # bad options fail here, not in every rank
+        if not isinstance(compression_warmup_steps, int) or compression_warmup_steps < 0:
+            raise ValueError(
+                f"compression_warmup_steps must be an integer >= 0, got {compression_warmup_steps!r}; HINT: 0 "
+                "compresses from the first step, 10 suits sign with AdamW on the LM demo"
+            )
+        if compression_warmup_steps and compression == "none":
+            raise ValueError(
+                f"compression_warmup_steps={compression_warmup_steps} given with compression='none'; HINT: set "
+                "compression (e.g. compression='sign') or drop compression_warmup_steps"
+            )
         check_kwargs(type(self), kwargs, wraps_ddp=True)
         if compression != "none" and (local_sgd is not None or kwargs.get("ddp_comm_hook")):
             raise ValueError(
@@ -131,6 +145,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         self.node_size = node_size
         self.compression = compression
         self.compression_options = dict(compression_options or {})
+        self.compression_warmup_steps = compression_warmup_steps
         self._compressed: CompressedAllReduce | None = None
         self._own_groups: list[Any] = []  # destroyed at teardown (see algorithms/_comm.destroy_groups)
         self._restored_compression: dict[str, Any] | None = None
@@ -184,8 +199,9 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
                 cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
                 self._own_groups += [node_group, cross_group]
             self._compressed = CompressedAllReduce(
-                compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group
-            )
+                compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group,
+                warmup_steps=self.compression_warmup_steps,
+            )  # fmt: skip
             if self._restored_compression is not None:
                 self._compressed.load_state_dict(self._restored_compression)
                 self._restored_compression = None

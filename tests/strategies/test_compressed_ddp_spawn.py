@@ -57,11 +57,30 @@ def test_compressed_ddp_tracks_ddp_keeps_ranks_identical_and_sends_fewer_bytes(t
             assert 0.5 * ratio * PARAM_BYTES < rank["bytes_intra_per_step"] <= ratio * PARAM_BYTES
 
 
+@pytest.mark.timeout(300)
+def test_compression_warmup_is_exact_ddp_then_compresses(tmp_path):
+    ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"))
+    strategy = MeasuredDDPStrategy(compression="sign", compression_warmup_steps=3, start_method="fork")
+    comp, summary = _fit(tmp_path / "sign", strategy)
+    for step, (got0, got1, want) in enumerate(zip(comp[0], comp[1], ddp[0], strict=True)):
+        torch.testing.assert_close(got0, got1)  # the same mean on every rank, in and after the warm-up
+        err = float((got0 - want).norm() / want.norm())
+        # Full precision for 3 steps (DDP's trajectory up to summation order), 1-bit signs after.
+        assert err < 1e-6 if step < 3 else err > 1e-4, (step, err)
+    for rank in summary["ranks"]:
+        # Measured: 3 steps of fp32 gradients, then 5 of signs (3 chunks of 256 bits and 3 fp32 scales).
+        assert rank["bytes_intra_per_step"] * 8 == pytest.approx(3 * PARAM_BYTES + 5 * (96 + 12))
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("method", ["int8", "powersgd"])
+@pytest.mark.parametrize("method", ["int8", "powersgd", "sign"])
 def test_resume_restores_every_ranks_residuals(tmp_path, method):
-    options = {"rank": 2} if method == "powersgd" else {"rounding": "stochastic"}
-    make = lambda: MeasuredDDPStrategy(compression=method, compression_options=options, start_method="fork")  # noqa: E731
+    options = {"rank": 2} if method == "powersgd" else {} if method == "sign" else {"rounding": "stochastic"}
+    # sign: the checkpoint falls inside a 10-step warm-up, so the resumed run must know how much of it is left.
+    warmup = 10 if method == "sign" else 0
+    make = lambda: MeasuredDDPStrategy(  # noqa: E731
+        compression=method, compression_options=options, compression_warmup_steps=warmup, start_method="fork"
+    )
     # 2 ranks x 8 batches per epoch: the checkpoint at step 8 is an epoch end, where Lightning resumes the data exactly.
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
     full, _ = _fit(tmp_path / "full", make(), steps=12, callbacks=[ckpt])
@@ -82,6 +101,8 @@ def test_resume_restores_every_ranks_residuals(tmp_path, method):
         ({"compression": "int3"}, "compression must be one of"),
         ({"compression": "int8", "local_sgd": "post_local_sgd"}, "cannot be combined"),
         ({"compression": "int8", "compression_options": {"chunk_size": 7}}, "chunk_size"),
+        ({"compression": "sign", "compression_warmup_steps": -1}, "compression_warmup_steps must be"),
+        ({"compression_warmup_steps": 10}, "compression_warmup_steps=10 given with compression='none'"),
     ],
 )
 def test_bad_arguments(kwargs, match):

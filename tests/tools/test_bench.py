@@ -56,12 +56,25 @@ def test_contenders_resolve_from_files_and_baselines():
         (["--scenario", "smoke", "--strategies", ","], "--strategies is empty"),
         (["--scenario", "smoke", "--repeats", "0"], "--repeats"),
         (["--scenario", "smoke", "--override", "model.lr"], "--override"),
+        (["--scenario", "straggler", "--link-mbit", "25"], "--link-mbit needs a scenario with several nodes"),
+        (["--scenario", "slow_link", "--link-mbit", "0"], "--link-mbit must be > 0"),
+        (["--scenario", "slow_link", "--link-mbit", "25", "--no-netns"], "--link-mbit needs network namespaces"),
     ],
 )
 def test_bad_input_is_rejected_before_running(tmp_path, args, message):
     proc = subprocess.run([*BENCH, *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_a_changed_link_rate_is_its_own_scenario():
+    from lightning_syncasync.bench.scenarios import SCENARIOS, lookup
+
+    slow = SCENARIOS["slow_link"].with_link(12.5)
+    assert (slow.name, slow.link_mbit) == ("slow_link_12p5mbit", 12.5)
+    assert (slow.overrides, slow.target, slow.steps) == (SCENARIOS["slow_link"].overrides, 0.34, 150)
+    assert lookup(slow.name) == slow  # the report finds it again from the results folder
+    assert lookup("slow_link") is SCENARIOS["slow_link"] and lookup("slow_link_fastmbit") is None
 
 
 def _record(strategy: str, sps: float, ideal_ranks: list[float], ttt: float | None, **kw) -> dict:
