@@ -77,7 +77,9 @@ class CompressedAllReduce:
         if (node_group is None) != (cross_group is None):
             raise ValueError("node_group and cross_group go together: give both for the hierarchical path, or neither")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 compresses from the start")
+            raise ValueError(
+                f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 compresses from the start"
+            )
         self.compressor = compressor
         self.warmup_steps = warmup_steps
         self.steps = 0  # optimizer steps whose buckets have all been handed to the thread (the warm-up's clock)

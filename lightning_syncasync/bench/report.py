@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync.bench.runner import median_or_none
-from lightning_syncasync.bench.scenarios import SCENARIOS, lookup
+from lightning_syncasync.bench.scenarios import lookup
 
 
 def merge_results(out_dir: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
