@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -181,3 +183,42 @@ class NaNInAsyncModel(TinyLoggingModel):
                 self.poisoned = True
                 return loss * float("nan")
         return loss
+
+
+class ValidationProbeModel(TinyModel):
+    """TinyModel that validates on a few batches and remembers the weights each validation saw (``seen``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.seen.append(torch.cat([p.detach().flatten() for p in self.parameters()]))
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 8, generator=g)
+        return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+
+
+class RecordSteps(Callback):
+    """Each rank saves its parameters at the start and end of every step, and what ``ValidationProbeModel``
+    validated, to ``rank{r}.pt`` in ``out``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.steps: list[torch.Tensor] = []
+        self.starts: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_fit_end(self, trainer, pl_module):
+        out = {"steps": self.steps, "starts": self.starts, "seen": pl_module.seen}
+        torch.save(out, Path(self.out) / f"rank{trainer.global_rank}.pt")

@@ -162,6 +162,7 @@ class DelayedAverager:
         # every node (the strategy broadcasts them before building the averager).
         self.anchor = self._shard()
         self.rounds_applied = 0
+        self._held: list[torch.Tensor] | None = None  # the node replica while swap_in_mean() lends out the mean
 
     # -- public ----------------------------------------------------------------------------------------------
 
@@ -206,6 +207,41 @@ class DelayedAverager:
         if self.num_nodes > 1:
             self._launch(exact=True)
             self._apply(self.pending.popleft())
+
+    def swap_in_mean(self, cross_group: dist.ProcessGroup | None) -> None:
+        """Lend the tensors the exact mean of the node replicas, for evaluation; :meth:`swap_back` restores the
+        replica bitwise, so evaluating never changes the training trajectory.
+
+        The mean of the replicas is the model training stands for: with ``outer="average"`` the corrections still
+        in flight sum to zero over the nodes (each is the global average minus that node's snapshot), so it is
+        also the model the next consistent cut would produce (with compression, up to what compression drops;
+        with ``outer="nesterov"`` without the pending outer steps). ``cross_group`` must be a cross-node group
+        that nothing else uses at the same time (the compressed rounds run on a thread of their own), and every
+        rank calls this together. Not recorded as training traffic.
+        """
+        if self._held is not None:
+            raise RuntimeError("swap_in_mean() called twice without swap_back()")
+        self._held = [t.detach().clone() for t in self.tensors]
+        if self.num_nodes == 1:
+            return
+        shard = self._shard()
+        dist.all_reduce(shard, group=cross_group)
+        shard /= self.num_nodes
+        mean = self._gather(shard, record=False)[: self.numel]
+        with torch.no_grad():
+            offset = 0
+            for t in self.tensors:
+                t.copy_(mean[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def swap_back(self) -> None:
+        """Put the node replica back after :meth:`swap_in_mean` (a no-op when nothing was swapped)."""
+        if self._held is None:
+            return
+        with torch.no_grad():
+            for t, held in zip(self.tensors, self._held, strict=True):
+                t.copy_(held)
+        self._held = None
 
     def state_dict(self) -> dict[str, object]:
         """What a resumed run needs after :meth:`synchronize`: the step counter and the whole outer momentum (the

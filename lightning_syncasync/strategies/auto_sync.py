@@ -180,6 +180,7 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         self._groups["grad_node"], _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
         self._groups["avg_node"], _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
         self._groups["cross"], _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        self._groups["eval_cross"], _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
         self._groups["ssp"] = dist.new_group(timeout=timeout)
 
     @override
@@ -368,14 +369,24 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             if self.exchange is not None:
                 assert self._apply is not None
                 self.exchange.cut(self._apply)  # validate the merged model (async_ssp's rule)
+            elif self.averager is not None:
+                self.averager.swap_in_mean(self._groups["eval_cross"])  # hier_sync's rule; swapped back at the end
             elif self.mode == "sync" and self.model is not None:
                 self._broadcast_buffers()
         super().on_validation_start()
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # All ranks save together: a consistent cut, so the checkpoint holds the one merged model.
+    def on_validation_end(self) -> None:
         if self.averager is not None:
+            self.averager.swap_back()
+        super().on_validation_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # All ranks save together: a consistent cut, so the checkpoint holds the one merged model. (A checkpoint
+        # saved during validation first puts the node replica back: the cut starts from the training state.)
+        if self.averager is not None:
+            self.averager.swap_back()
             self.averager.synchronize()
         elif self.exchange is not None and self.exchange._thread is not None:
             assert self._apply is not None

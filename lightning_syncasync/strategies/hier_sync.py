@@ -111,6 +111,7 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         self._world_grad_group: dist.ProcessGroup | None = None
         self._avg_node_group: dist.ProcessGroup | None = None
         self._cross_group: dist.ProcessGroup | None = None
+        self._eval_cross_group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
         self._averager_state: dict[str, Any] | None = None
 
@@ -127,6 +128,9 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         timeout = timedelta(seconds=self.peer_timeout_s)
         self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
         self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        # Validation's mean of the node replicas: its own group, since compressed rounds use _cross_group from a
+        # thread at any time.
+        self._eval_cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
@@ -192,6 +196,22 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         return out
 
     @override
+    def on_validation_start(self) -> None:
+        # Validation inside fit evaluates the mean of the node replicas (the model a checkpoint or the end of fit
+        # would hold), not each node's own replica; it is swapped back afterwards, so validating never changes
+        # the training trajectory. (Lightning has left the training stage here: hence state.fn, not `training`.)
+        module = self.lightning_module
+        if self.averager is not None and module is not None and module.trainer.state.fn == "fit":
+            self.averager.swap_in_mean(self._eval_cross_group)
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.averager is not None:
+            self.averager.swap_back()
+        super().on_validation_end()
+
+    @override
     def on_train_end(self) -> None:
         # The model fit() leaves behind (and that test/predict/save use) is the merged one, not a node's replica:
         # a consistent cut, since draining alone leaves each node's progress since the last launch unmerged.
@@ -204,6 +224,9 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         # Checkpoints hold a consistent cut: every node the same model, no residual held back (all ranks save
         # together, so this collective is safe here).
         if self.averager is not None:
+            # Saved from a callback during validation (ModelCheckpoint's on_validation_end runs before ours): put
+            # the node replica back first, the cut starts from the training state.
+            self.averager.swap_back()
             self.averager.synchronize()
         return super().lightning_module_state_dict()
 
@@ -223,8 +246,11 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
             finally:
                 self.averager = None
         super().teardown()
-        destroy_groups(self._node_group, self._world_grad_group, self._avg_node_group, self._cross_group)
-        self._node_group = self._world_grad_group = self._avg_node_group = self._cross_group = None
+        destroy_groups(
+            self._node_group, self._world_grad_group, self._avg_node_group, self._cross_group, self._eval_cross_group
+        )
+        self._node_group = self._world_grad_group = self._avg_node_group = None
+        self._cross_group = self._eval_cross_group = None
 
 
 def _warmup_hook(strategy: HierSyncStrategy, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

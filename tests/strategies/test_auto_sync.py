@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ConstantGradModel, NaNInAsyncModel, TinyModel
+from _models import ConstantGradModel, NaNInAsyncModel, RecordSteps, TinyModel, ValidationProbeModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -68,6 +68,27 @@ def _fit(out: Path, strategy, model, devices=2, steps=8, callbacks=(), ckpt_path
     torch.manual_seed(0)
     trainer.fit(model, ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt") for r in range(devices)], json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_hier_mode_validates_the_mean_of_the_node_replicas(tmp_path):
+    # hier_sync's rule in auto_sync's hier mode: no cross-node round within 6 steps, so the nodes drift apart, and
+    # validation (after steps 2, 4, 6) sees their mean while training continues from each node's own replica.
+    trainer = Trainer(
+        accelerator="cpu", devices=4, max_steps=6, logger=False, default_root_dir=tmp_path,
+        strategy=AutoSyncStrategy(mode="hier", switcher=False, node_size=2, inter_period=100, start_method="fork"),
+        callbacks=[RecordSteps(str(tmp_path))], val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(ValidationProbeModel())
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for i, step in enumerate((1, 3)):
+        node0, node1 = res[0]["steps"][step], res[2]["steps"][step]
+        assert not torch.allclose(node0, node1)
+        for r in range(4):
+            torch.testing.assert_close(res[r]["seen"][i], (node0 + node1) / 2)
+            torch.testing.assert_close(res[r]["starts"][step + 1], res[r]["steps"][step], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(240)

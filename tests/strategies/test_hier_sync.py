@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import TinyModel
+from _models import RecordSteps, TinyModel, ValidationProbeModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -99,6 +99,59 @@ def test_delayed_averaging_ends_with_one_merged_model(tmp_path):
     for r in res[1:]:
         torch.testing.assert_close(r["final"], res[0]["final"])
     assert all(r["bytes_inter_per_step"] > 0 for r in summary["ranks"])
+
+
+def _fit_validating(out: Path, validate: bool, checkpoint: bool = False) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks: list[Callback] = [RecordSteps(str(out))]
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1))
+    trainer = Trainer(
+        accelerator="cpu", devices=4, max_steps=6, logger=False, default_root_dir=out, callbacks=callbacks,
+        # No cross-node round in these 6 steps: the two nodes' replicas drift apart.
+        strategy=HierSyncStrategy(inter_period=100, max_delay=1, node_size=2, start_method="fork"),
+        val_check_interval=2, limit_val_batches=2 if validate else 0, num_sanity_val_steps=0,
+        enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(ValidationProbeModel())
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_validation_sees_the_mean_of_the_node_replicas_and_leaves_training_alone(tmp_path):
+    plain = _fit_validating(tmp_path / "plain", validate=False)
+    res = _fit_validating(tmp_path / "val", validate=True)
+    for r in range(4):
+        assert len(res[r]["seen"]) == 3  # after steps 2, 4 and 6
+        for step, (got, want) in enumerate(zip(res[r]["steps"], plain[r]["steps"], strict=True)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {r} step {step}")  # bitwise
+    for i, step in enumerate((1, 3, 5)):
+        node0, node1 = res[0]["steps"][step], res[2]["steps"][step]
+        assert not torch.allclose(node0, node1)  # the nodes did drift apart...
+        for r in range(4):  # ...and every rank validated their mean, not its own node's replica
+            torch.testing.assert_close(res[r]["seen"][i], (node0 + node1) / 2)
+            if step + 1 < 6:  # the next step starts from the replica, untouched
+                torch.testing.assert_close(res[r]["starts"][step + 1], res[r]["steps"][step], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_saved_during_validation_holds_the_merged_model(tmp_path):
+    # ModelCheckpoint saves in its on_validation_end, before the strategy puts the replica back: the checkpoint's
+    # consistent cut must start from the training state, not from the mean lent to validation.
+    res = _fit_validating(tmp_path / "ckpt", validate=True, checkpoint=True)
+    for r in range(4):
+        assert len(res[r]["seen"]) == 3
+    # No round was in flight, so the cut is the exact mean of the replicas: what validation saw.
+    for i, name in enumerate(("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt")):
+        state = torch.load(tmp_path / "ckpt" / "ckpt" / name, weights_only=True)["state_dict"]
+        saved = torch.cat([state[k].flatten() for k in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias")])
+        torch.testing.assert_close(saved, res[0]["seen"][i])
+    # And training went on from that cut (not from the replica lent away during validation): steps 3 and 5 start
+    # from the merged model on every rank.
+    for i, step in enumerate((2, 4)):
+        for r in range(4):
+            torch.testing.assert_close(res[r]["starts"][step], res[0]["seen"][i])
 
 
 @pytest.mark.timeout(400)
