@@ -186,7 +186,9 @@ class DelayedAverager:
         return self.step < self.warmup_steps
 
     def drain(self) -> None:
-        """Wait for and apply every round in flight (before a mode switch or teardown)."""
+        """Wait for and apply every round in flight (before a mode switch or teardown), after putting back a
+        replica lent to evaluation: the rounds' corrections belong to the replica, not to the mean."""
+        self.swap_back()
         while self.pending:
             self._apply(self.pending.popleft())
 

@@ -115,9 +115,13 @@ class CompressedAllReduce:
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.steps = int(state.get("steps", 0))
 
-    def _hierarchical(self, sent: torch.Tensor, compressor: Compressor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mean of ``sent`` over the world: node sum by reduce-scatter, compressed exchange of this rank's shard
-        across nodes, all-gather inside the node. Returns ``(mean, what to add to this rank's next input)``."""
+    def _hierarchical(
+        self, sent: torch.Tensor, compressor: Compressor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mean of ``sent`` over the world: node sum by reduce-scatter, exchange of this rank's shard across nodes
+        through ``compressor`` (default: this hook's), all-gather inside the node. Returns ``(mean, what to add to
+        this rank's next input)``."""
+        compressor = compressor or self.compressor
         k = dist.get_world_size(self.node_group)
         numel = sent.numel()
         padded = torch.nn.functional.pad(sent, (0, -numel % k))

@@ -384,9 +384,8 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # All ranks save together: a consistent cut, so the checkpoint holds the one merged model. (A checkpoint
-        # saved during validation first puts the node replica back: the cut starts from the training state.)
+        # saved during validation starts from the training state: synchronize() first puts the replica back.)
         if self.averager is not None:
-            self.averager.swap_back()
             self.averager.synchronize()
         elif self.exchange is not None and self.exchange._thread is not None:
             assert self._apply is not None

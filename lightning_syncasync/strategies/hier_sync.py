@@ -224,9 +224,8 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         # Checkpoints hold a consistent cut: every node the same model, no residual held back (all ranks save
         # together, so this collective is safe here).
         if self.averager is not None:
-            # Saved from a callback during validation (ModelCheckpoint's on_validation_end runs before ours): put
-            # the node replica back first, the cut starts from the training state.
-            self.averager.swap_back()
+            # Also when saved from a callback during validation (ModelCheckpoint's on_validation_end runs before
+            # ours): synchronize() drains, which first puts back the node replica lent to validation.
             self.averager.synchronize()
         return super().lightning_module_state_dict()
 
