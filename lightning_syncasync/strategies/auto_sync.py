@@ -56,6 +56,7 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
     LocalReduceWhileAsync,
@@ -76,7 +77,7 @@ class ModeUnavailableError(ValueError):
     """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
 
 
-class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
+class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, ValidatesNodeMean, CheckpointedAlgorithm, DDPStrategy):
     """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
 
     Args:
@@ -374,12 +375,6 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
             elif self.mode == "sync" and self.model is not None:
                 self._broadcast_buffers()
         super().on_validation_start()
-
-    @override
-    def on_validation_end(self) -> None:
-        if self.averager is not None:
-            self.averager.swap_back()
-        super().on_validation_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -36,12 +36,13 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
 
 
-class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
+class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm, DDPStrategy):
     """Hierarchical synchronisation for any LightningModule.
 
     Args:
@@ -204,12 +205,6 @@ class HierSyncStrategy(WatchedStrategy, CheckpointedAlgorithm, DDPStrategy):
         if self.averager is not None and module is not None and module.trainer.state.fn == "fit":
             self.averager.swap_in_mean(self._eval_cross_group)
         super().on_validation_start()
-
-    @override
-    def on_validation_end(self) -> None:
-        if self.averager is not None:
-            self.averager.swap_back()
-        super().on_validation_end()
 
     @override
     def on_train_end(self) -> None:
