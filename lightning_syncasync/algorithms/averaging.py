@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
-from lightning_syncasync.algorithms._flat import add_flat_
+from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.watchdog import PeerLostError
@@ -162,7 +162,7 @@ class DelayedAverager:
         # every node (the strategy broadcasts them before building the averager).
         self.anchor = self._shard()
         self.rounds_applied = 0
-        self._held: list[torch.Tensor] | None = None  # the node replica while swap_in_mean() lends out the mean
+        self._held: torch.Tensor | None = None  # the node replica (flat) while swap_in_mean() lends out the mean
 
     # -- public ----------------------------------------------------------------------------------------------
 
@@ -223,26 +223,19 @@ class DelayedAverager:
         """
         if self._held is not None:
             raise RuntimeError("swap_in_mean() called twice without swap_back()")
-        self._held = [t.detach().clone() for t in self.tensors]
+        self._held = self._flat()[: self.numel]  # a fresh tensor (torch.cat): the replica as it is now
         if self.num_nodes == 1:
             return
         shard = self._shard()
         dist.all_reduce(shard, group=cross_group)
         shard /= self.num_nodes
-        mean = self._gather(shard, record=False)[: self.numel]
-        with torch.no_grad():
-            offset = 0
-            for t in self.tensors:
-                t.copy_(mean[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        copy_flat_(self.tensors, self._gather(shard, record=False)[: self.numel])
 
     def swap_back(self) -> None:
         """Put the node replica back after :meth:`swap_in_mean` (a no-op when nothing was swapped)."""
         if self._held is None:
             return
-        with torch.no_grad():
-            for t, held in zip(self.tensors, self._held, strict=True):
-                t.copy_(held)
+        copy_flat_(self.tensors, self._held)
         self._held = None
 
     def state_dict(self) -> dict[str, object]:

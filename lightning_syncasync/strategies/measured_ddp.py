@@ -78,8 +78,8 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
             With compression (but powersgd), DDP's ``bucket_cap_mb`` defaults to ``COMPRESSED_BUCKET_MB`` (2), not 25.
         compression_warmup_steps: optimizer steps whose gradients are all-reduced in full precision before
-            compression starts (torch's ``start_powerSGD_iter``). ``sign`` on an Adam-family optimizer needs it to
-            pass the LM demo's early plateau (README: 10 steps).
+            compression starts (torch's ``start_powerSGD_iter``). It does not make ``sign`` work with AdamW on the
+            LM demo (README: measured with 10 and 20 steps); use 1-bit Adam there.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...). A user
             ``ddp_comm_hook``/``ddp_comm_state`` is registered on every device type and measured.
 
@@ -103,7 +103,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         if not isinstance(compression_warmup_steps, int) or compression_warmup_steps < 0:
             raise ValueError(
                 f"compression_warmup_steps must be an integer >= 0, got {compression_warmup_steps!r}; HINT: 0 "
-                "compresses from the first step, 10 suits sign with AdamW on the LM demo"
+                "compresses from the first step; torch's PowerSGD hook calls this start_powerSGD_iter"
             )
         if compression_warmup_steps and compression == "none":
             raise ValueError(
