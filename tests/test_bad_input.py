@@ -346,6 +346,19 @@ CASES: list[Case] = [
          "MeasuredDDPStrategy(compression_warmup_steps=10)",
          lambda: MeasuredDDPStrategy(compression_warmup_steps=10), ValueError,
          r"compression_warmup_steps=10 given with compression='none'", r"HINT: set compression"),
+    Case("measured-compression-warmup-method", "strategy ddp_measured",
+         "MeasuredDDPStrategy(compression='sign', compression_warmup_steps=20, compression_warmup='sign')",
+         lambda: MeasuredDDPStrategy(compression="sign", compression_warmup_steps=20, compression_warmup="sign"),
+         ValueError, r"compression_warmup must be one of", r"HINT: 'none' exchanges fp32"),
+    Case("measured-compression-warmup-method-without-steps", "strategy ddp_measured",
+         "MeasuredDDPStrategy(compression='sign', compression_warmup='int8')",
+         lambda: MeasuredDDPStrategy(compression="sign", compression_warmup="int8"), ValueError,
+         r"compression_warmup='int8' given without a warm-up", r"HINT: set compression_warmup_steps"),
+    Case("measured-frozen-rms-without-warmup", "strategy ddp_measured",
+         "MeasuredDDPStrategy(compression='sign', compression_frozen_rms=True)",
+         lambda: MeasuredDDPStrategy(compression="sign", compression_frozen_rms=True), ValueError,
+         r"compression_frozen_rms needs compression 'int8' or 'sign' and compression_warmup_steps >= 1",
+         r"HINT: compression=sign compression_warmup_steps=20"),
     # strategy deepspeed_cpu and its presets
     Case("ds-offload-stage", "strategy deepspeed_cpu", "DeepSpeedCPUStrategy(stage=2, offload_parameters=True)",
          lambda: DeepSpeedCPUStrategy(stage=2, offload_parameters=True), ValueError, r"offload_parameters",
@@ -507,6 +520,8 @@ CASES: list[Case] = [
     Case("advise-params", "syncasync-advise", "--params no_such_params.json",
          _advise("--params", "no_such_params.json"), CommandFailed, r"--params no_such_params\.json",
          r"HINT: pass the file written by --calibrate", LAUNCH),
+    Case("advise-local-sgd-steps", "syncasync-advise", "--local-sgd-steps 0.8", _advise("--local-sgd-steps", "0.8"),
+         CommandFailed, r"--local-sgd-steps must be >= 1", r"HINT: 1 ranks by throughput alone", PARSING),
 ]  # fmt: skip
 
 

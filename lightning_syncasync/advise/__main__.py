@@ -65,6 +65,21 @@ def _positive(name: str, upper: float = math.inf):
     return parse
 
 
+def _at_least_one(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not a number; HINT: e.g. {name} 1.2") from None
+        if not value >= 1:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be >= 1 (a multiple of DDP's steps), got {text}; HINT: 1 ranks by throughput alone"
+            )
+        return value
+
+    return parse
+
+
 def _strategies(spec: str) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [s for s in names if s not in CANDIDATES]
@@ -104,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-async",
         action="store_true",
         help="consider async_ssp (off by default: on the benchmark it learned less per sample than sync)",
+    )
+    p.add_argument(
+        "--local-sgd-steps",
+        type=_at_least_one("--local-sgd-steps"),
+        default=Thresholds.local_sgd_steps,
+        help=f"hier_sync's steps to a target relative to DDP's, measured on your workload "
+        f"({Thresholds.local_sgd_steps:g}, measured on the LM; 1 ranks by throughput alone)",
+    )
+    p.add_argument(
+        "--powersgd-steps",
+        type=_at_least_one("--powersgd-steps"),
+        default=Thresholds.powersgd_steps,
+        help=f"the same for ddp_powersgd ({Thresholds.powersgd_steps:g}, measured on the LM)",
     )
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then syncasync-train overrides")
     return p
@@ -196,7 +224,10 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     )
     _print_measurements(meas, notes)
     available = [s for s in _available() if args.strategies is None or s in args.strategies or s == "ddp"]
-    rec = recommend(meas, Thresholds(allow_async=args.allow_async), available, params)
+    thresholds = Thresholds(
+        allow_async=args.allow_async, local_sgd_steps=args.local_sgd_steps, powersgd_steps=args.powersgd_steps
+    )
+    rec = recommend(meas, thresholds, available, params)
     if meas.flat_all_reduce_s:
         model_flat = ScalingModel.ring_all_reduce_s(
             meas.world_size, meas.grad_bytes,
@@ -212,7 +243,7 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     shown = {k: v for k, v in rec.predictions.items() if args.strategies is None or k in args.strategies or k == "ddp"}
     source = f"calibrated ({args.params})" if params else "defaults, uncalibrated (--params FILE from --calibrate)"
     print(f"\npredicted at {meas.nodes} node(s) x {meas.procs_per_node}; cost-model parameters: {source}")
-    print("\n".join(format_predictions(shown, rec.allowed, rec.strategy)))
+    print("\n".join(format_predictions(shown, rec.allowed, rec.strategy, rec.steps_factor)))
     print(f"\nrecommended: {rec.strategy}")
     print(f"  Hydra: {rec.hydra}")
     print(f"  CLI:   {rec.cli}  (plus your --model/--data)")

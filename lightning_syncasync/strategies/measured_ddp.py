@@ -78,8 +78,14 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
             With compression (but powersgd), DDP's ``bucket_cap_mb`` defaults to ``COMPRESSED_BUCKET_MB`` (2), not 25.
         compression_warmup_steps: optimizer steps whose gradients are all-reduced in full precision before
-            compression starts (torch's ``start_powerSGD_iter``). It does not make ``sign`` work with AdamW on the
-            LM demo (README: measured with 10 and 20 steps); use 1-bit Adam there.
+            compression starts (torch's ``start_powerSGD_iter``). Alone it does not make ``sign`` work with AdamW on
+            the LM demo (README: measured with 10 and 20 steps); with ``compression_frozen_rms`` it does.
+        compression_warmup: the warm-up's exchange: ``none`` (fp32, the default), ``fp16``, ``bf16`` or ``int8``
+            (a quarter of the bytes, within 0.1 points of fp32 on the LM demo; README).
+        compression_frozen_rms: divide each gradient coordinate by its RMS measured over the warm-up before
+            compressing and multiply back after (``int8``/``sign``; ``algorithms/compressed_hook.py``): the per-
+            coordinate scale that 1-bit Adam freezes as its variance, kept for any optimizer. Needs
+            ``compression_warmup_steps >= 1``.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...). A user
             ``ddp_comm_hook``/``ddp_comm_state`` is registered on every device type and measured.
 
@@ -97,6 +103,8 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         compression: str = "none",
         compression_options: dict[str, Any] | None = None,
         compression_warmup_steps: int = 0,
+        compression_warmup: str = "none",
+        compression_frozen_rms: bool = False,
         **kwargs: Any,
     ) -> None:
         check_compression_options(compression, compression_options)  # bad options fail here, not in every rank
@@ -109,6 +117,22 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
             raise ValueError(
                 f"compression_warmup_steps={compression_warmup_steps} given with compression='none'; HINT: set "
                 "compression (e.g. compression='sign') or drop compression_warmup_steps"
+            )
+        if compression_warmup not in ("none", "fp16", "bf16", "int8"):
+            raise ValueError(
+                f"compression_warmup must be one of 'none', 'fp16', 'bf16', 'int8', got {compression_warmup!r}; HINT: "
+                "'none' exchanges fp32 during the warm-up, 'int8' a quarter of the bytes"
+            )
+        if compression_warmup != "none" and not compression_warmup_steps:
+            raise ValueError(
+                f"compression_warmup={compression_warmup!r} given without a warm-up; HINT: set "
+                "compression_warmup_steps (e.g. 20) or drop compression_warmup"
+            )
+        if compression_frozen_rms and (compression not in ("int8", "sign") or not compression_warmup_steps):
+            raise ValueError(
+                f"compression_frozen_rms needs compression 'int8' or 'sign' and compression_warmup_steps >= 1 (to "
+                f"measure the RMS), got compression={compression!r}, compression_warmup_steps="
+                f"{compression_warmup_steps}; HINT: compression=sign compression_warmup_steps=20"
             )
         check_kwargs(type(self), kwargs, wraps_ddp=True)
         if compression != "none" and (local_sgd is not None or kwargs.get("ddp_comm_hook")):
@@ -146,6 +170,8 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
         self.compression = compression
         self.compression_options = dict(compression_options or {})
         self.compression_warmup_steps = compression_warmup_steps
+        self.compression_warmup = compression_warmup
+        self.compression_frozen_rms = compression_frozen_rms
         self._compressed: CompressedAllReduce | None = None
         self._own_groups: list[Any] = []  # destroyed at teardown (see algorithms/_comm.destroy_groups)
         self._restored_compression: dict[str, Any] | None = None
@@ -201,6 +227,8 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
             self._compressed = CompressedAllReduce(
                 compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group,
                 warmup_steps=self.compression_warmup_steps,
+                warmup_compressor=Compressor(self.compression_warmup, seed=self.global_rank),  # type: ignore[arg-type]
+                frozen_rms=self.compression_frozen_rms,
             )  # fmt: skip
             if self._restored_compression is not None:
                 self._compressed.load_state_dict(self._restored_compression)

@@ -72,14 +72,62 @@ def test_compression_warmup_is_exact_ddp_then_compresses(tmp_path):
         assert rank["bytes_intra_per_step"] * 8 == pytest.approx(3 * PARAM_BYTES + 5 * (96 + 12))
 
 
+class RecordGrads(Callback):
+    """The averaged gradients DDP hands the optimizer, per step, and the hook's frozen RMS at the end (rank 0)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.grads: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in pl_module.parameters()])
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            torch.save({"grads": self.grads, "rms": trainer.strategy._compressed._rms}, Path(self.out) / "grads.pt")
+
+
+@pytest.mark.timeout(300)
+def test_frozen_rms_is_the_warmups_gradient_rms_and_the_int8_warmup_sends_a_quarter(tmp_path):
+    make = lambda warm: MeasuredDDPStrategy(  # noqa: E731
+        compression="sign",
+        compression_warmup_steps=3,
+        compression_warmup=warm,
+        compression_frozen_rms=True,
+        start_method="fork",
+    )
+    comp, _ = _fit(tmp_path / "fp32", make("none"), callbacks=[RecordGrads(str(tmp_path / "fp32"))])
+    for got0, got1 in zip(comp[0], comp[1], strict=True):
+        torch.testing.assert_close(got0, got1)  # the RMS is the same on every rank: replicas never drift
+    rec = torch.load(tmp_path / "fp32" / "grads.pt")
+    assert len(rec["grads"]) == 8 and sorted(rec["rms"]) == list(range(len(rec["grads"][0])))
+    for i, rms in rec["rms"].items():
+        # The RMS over the 3 warm-up steps of the exact averaged gradients (the parameter's own, by index).
+        want = torch.stack([step[i].flatten().double() for step in rec["grads"][:3]]).square().mean(0).sqrt()
+        torch.testing.assert_close(rms, want.float().clamp_min(1e-3 * float(want.mean())), rtol=1e-5, atol=1e-9)
+    # After the warm-up the optimizer sees each coordinate at its own scale: per coordinate, signs times the
+    # chunk scale of g / rms times rms, not one magnitude per 256-element chunk as plain sign gives.
+    after = torch.cat([g.flatten() for g in rec["grads"][5]]).abs()
+    assert after.unique().numel() > 100
+    _, summary = _fit(tmp_path / "int8", make("int8"))
+    for rank in summary["ranks"]:
+        # Measured: 3 warm-up steps of int8 (3 chunks of 256 bytes + 3 fp32 scales), then 5 of signs.
+        assert rank["bytes_intra_per_step"] * 8 == pytest.approx(3 * (768 + 12) + 5 * (96 + 12))
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("method", ["int8", "powersgd", "sign"])
+@pytest.mark.parametrize("method", ["int8", "powersgd", "sign", "sign_rms"])
 def test_resume_restores_every_ranks_residuals(tmp_path, method):
-    options = {"rank": 2} if method == "powersgd" else {} if method == "sign" else {"rounding": "stochastic"}
-    # sign: the checkpoint falls inside a 10-step warm-up, so the resumed run must know how much of it is left.
-    warmup = 10 if method == "sign" else 0
+    options = {"rank": 2} if method == "powersgd" else {} if method.startswith("sign") else {"rounding": "stochastic"}
+    # sign: the checkpoint falls inside a 10-step warm-up, so the resumed run must know how much of it is left;
+    # sign_rms: also the warm-up's sums of squares, from which the RMS is frozen two steps after the resume.
+    warmup = 10 if method.startswith("sign") else 0
     make = lambda: MeasuredDDPStrategy(  # noqa: E731
-        compression=method, compression_options=options, compression_warmup_steps=warmup, start_method="fork"
+        compression=method.removesuffix("_rms"),
+        compression_options=options,
+        compression_warmup_steps=warmup,
+        compression_frozen_rms=method == "sign_rms",
+        start_method="fork",
     )
     # 2 ranks x 8 batches per epoch: the checkpoint at step 8 is an epoch end, where Lightning resumes the data exactly.
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
@@ -103,6 +151,10 @@ def test_resume_restores_every_ranks_residuals(tmp_path, method):
         ({"compression": "int8", "compression_options": {"chunk_size": 7}}, "chunk_size"),
         ({"compression": "sign", "compression_warmup_steps": -1}, "compression_warmup_steps must be"),
         ({"compression_warmup_steps": 10}, "compression_warmup_steps=10 given with compression='none'"),
+        ({"compression": "sign", "compression_warmup_steps": 5, "compression_warmup": "sign"}, "compression_warmup"),
+        ({"compression": "sign", "compression_warmup": "int8"}, "given without a warm-up"),
+        ({"compression": "sign", "compression_frozen_rms": True}, "compression_frozen_rms needs"),
+        ({"compression": "fp16", "compression_warmup_steps": 5, "compression_frozen_rms": True}, "frozen_rms needs"),
     ],
 )
 def test_bad_arguments(kwargs, match):

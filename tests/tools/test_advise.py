@@ -76,6 +76,33 @@ def test_jitter_recommends_async_ssp_only_when_allowed():
 
 
 @pytest.mark.timeout(10)
+def test_ranking_is_by_time_to_target_so_hier_sync_pays_for_its_extra_steps():
+    m = _meas(inter=12.5e6)
+    no_psgd = [s for s in CANDIDATES if s != "ddp_powersgd"]
+    by_rate = recommend(m, Thresholds(local_sgd_steps=1.0, powersgd_steps=1.0), available=no_psgd)
+    assert by_rate.strategy.startswith("hier_sync")
+    hier, int8 = by_rate.predictions[by_rate.strategy].samples_per_s, by_rate.predictions["ddp_int8"].samples_per_s
+    assert hier > int8  # faster per sample ...
+    factor = 1.01 * hier / int8  # ... but it needs enough more steps that ddp_int8 reaches the target sooner
+    rec = recommend(m, Thresholds(local_sgd_steps=factor, powersgd_steps=1.0), available=no_psgd)
+    assert rec.strategy == "ddp_int8"
+    assert rec.predictions == by_rate.predictions  # the throughput model is untouched
+    assert rec.steps_factor["hier_sync"] == rec.steps_factor["hier_sync_int8"] == factor
+    assert rec.steps_factor["ddp_int8"] == rec.steps_factor["ddp"] == 1.0
+    assert rec.steps_factor["auto_sync"] == (factor if rec.predictions["auto_sync"].settings["mode"] == "hier" else 1)
+    assert any("time to target" in line and "hier_sync" in line for line in rec.flow)
+    assert "sooner than DDP" in rec.flow[-1]
+    psgd = recommend(m, Thresholds(local_sgd_steps=1.0, powersgd_steps=1.0)).predictions["ddp_powersgd"]
+    assert psgd.samples_per_s > int8  # PowerSGD sends less than int8; its steps factor is what ranks it lower
+    slow_psgd = recommend(m, Thresholds(local_sgd_steps=factor, powersgd_steps=1.01 * psgd.samples_per_s / int8))
+    assert slow_psgd.strategy == "ddp_int8" and slow_psgd.steps_factor["ddp_powersgd"] > 1
+    with pytest.raises(ValueError, match="local_sgd_steps must be >= 1"):
+        Thresholds(local_sgd_steps=0.5)
+    with pytest.raises(ValueError, match="powersgd_steps must be >= 1"):
+        Thresholds(powersgd_steps=0.9)
+
+
+@pytest.mark.timeout(10)
 def test_a_small_gain_keeps_ddp_and_measurements_are_validated():
     # Slightly comm-bound: compression would be allowed but must beat DDP by min_gain.
     rec = recommend(_meas(grad=0.3e6, intra=1e9, inter=1e9), Thresholds(comm_fraction=0.0, min_gain=10.0))
