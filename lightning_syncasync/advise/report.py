@@ -6,9 +6,9 @@ strategies that address what it found); among the allowed ones the predicted *ti
 candidate replaces plain DDP only when it is predicted at least ``min_gain`` sooner.
 
 Time to a target is steps x step time, so the :class:`ScalingModel`'s throughput is divided by how many more steps
-than DDP a strategy needs (``Thresholds.local_sgd_steps`` for the delayed-averaging ones). A few seconds of probing
-cannot measure learning per step; the factor is a measured prior, and the only one: the compressed synchronous
-strategies keep error feedback and were measured to cross the targets at DDP's step (README).
+than DDP a strategy needs (``Thresholds.local_sgd_steps`` for the delayed-averaging ones, ``powersgd_steps`` for
+PowerSGD). A few seconds of probing cannot measure learning per step, so these factors are priors measured on the
+benchmark's LM; fp16 and int8 DDP crossed its target at DDP's step and keep 1 (README).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Thresholds:
 @dataclass
 class Recommendation:
     """The advisor's answer. ``steps_factor``: each candidate's steps to a target relative to DDP's, the divisor
-    of its predicted throughput in the ranking (``Thresholds.local_sgd_steps``)."""
+    of its predicted throughput in the ranking (``Thresholds.local_sgd_steps``, ``powersgd_steps``)."""
 
     strategy: str
     settings: dict[str, Any]

@@ -32,7 +32,8 @@ demo). 1-bit Adam answers this by freezing Adam's variance after a full-precisio
 momentum. ``frozen_rms`` keeps the user's optimizer and does the same at the gradient: during the warm-up it
 measures each coordinate's RMS over the (exact, identical on every rank) averaged gradients, then divides by it
 before compressing and multiplies back after, so the code carries ``g / rms`` whose elements are alike in size and the
-optimizer sees each coordinate at its own scale.
+optimizer sees each coordinate at its own scale. Measured, it narrows the gap rather than closing it (README: 3.0
+points below DDP over the LM's full budget against 3.8 for plain sign; 0.7-2.5 against 2.7 in a simulation).
 
 This module must not use ``from __future__ import annotations``: DDP inspects the hook's annotations at run time.
 """
