@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="short budgets: a scenario in minutes on 2 cores")
     p.add_argument("--repeats", type=int, default=1, help="measurements per contender (medians are reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vary-seed",
+        action="store_true",
+        help="repeat r trains with --seed + r, so --repeats measure how learning varies (final metric, steps to "
+        "target), not only timing",
+    )
     p.add_argument("--no-netns", action="store_true", help="loopback only: no link limits (no root needed)")
     p.add_argument(
         "--link-mbit",
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"--override {bad[0]!r} is not KEY=VALUE, e.g. --override data.batch_size=64")
         runner = BenchRunner(args.out, quick=args.quick, repeats=args.repeats, seed=args.seed, netns=netns,
-                             extra_overrides=args.override)  # fmt: skip
+                             extra_overrides=args.override, vary_seed=args.vary_seed)  # fmt: skip
     except (ValueError, EmulationUnavailable) as err:
         print(f"syncasync-bench: error: {err}", file=sys.stderr)
         return 2

@@ -105,7 +105,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
                 f"| {_fmt(s['ideal_samples_per_s'])} "
                 f"| {_fmt(None if eff is None else 100 * eff, '.1f')}% "
                 f"| {_fmt(s['time_to_target_s'])}{_spread(s['time_to_target_s_all'], '.1f')} "
-                f"| {_fmt(s['final_val_metric'], '.4f')} "
+                f"| {_fmt(s['final_val_metric'], '.4f')}{_spread(s['final_val_metric_all'], '.4f')} "
                 f"| {_fmt(None if s['inter_node_bytes_per_step'] is None else s['inter_node_bytes_per_step'] / 1024)} "
                 f"| {_fmt(None if s['wait_frac'] is None else 100 * s['wait_frac'])} "
                 f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"

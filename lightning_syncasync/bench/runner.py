@@ -85,6 +85,11 @@ class BenchRunner:
         quick: the scenario's short budget (minutes on a 2-core machine).
         repeats: measurements per contender; timings are reported as medians with their spread.
         seed: training seed (the same for every contender) and jitter seed.
+        vary_seed: repeat ``r`` trains with ``seed + r`` (every contender sees the same seeds; the emulated
+            cluster's jitter keeps ``seed``). With one seed, repeats replay one trajectory and measure timing only;
+            with several they also measure how much learning (steps to target, final metric) varies with the data
+            order and initialisation, which single runs of local SGD and lossy compression on the LM showed to be
+            tens of steps and 1-3 points.
         netns: use network namespaces when the scenario asks for them (``False``: loopback, no link limit).
         run_timeout_s: bound on a single run.
         extra_overrides: ``syncasync-train`` overrides added to every run after the scenario's (your workload).
@@ -99,13 +104,17 @@ class BenchRunner:
         netns: bool = True,
         run_timeout_s: float = 1800.0,
         extra_overrides: list[str] | None = None,
+        vary_seed: bool = False,
     ) -> None:
         if repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        if vary_seed and repeats < 2:
+            raise ValueError("--vary-seed needs --repeats >= 2 (repeat r trains with --seed + r); HINT: --repeats 3")
         self.out_dir = Path(out_dir)
         self.quick = quick
         self.repeats = repeats
         self.seed = seed
+        self.vary_seed = vary_seed
         self.netns = netns
         self.run_timeout_s = run_timeout_s
         self.extra_overrides = list(extra_overrides or [])
@@ -140,7 +149,10 @@ class BenchRunner:
     def _steps(self, scenario: Scenario) -> int:
         return scenario.quick_steps if self.quick else scenario.steps
 
-    def _base_overrides(self, scenario: Scenario) -> list[str]:
+    def train_seed(self, rep: int) -> int:
+        return self.seed + rep if self.vary_seed else self.seed
+
+    def _base_overrides(self, scenario: Scenario, rep: int = 0) -> list[str]:
         return [
             *scenario.overrides,
             *self.extra_overrides,
@@ -154,7 +166,7 @@ class BenchRunner:
             # what the benchmark measures.
             "trainer.enable_checkpointing=false",
             f"callbacks.sync_monitor.warmup_steps={WARMUP_STEPS}",
-            f"seed={self.seed}",
+            f"seed={self.train_seed(rep)}",
             f"optimized_metric={scenario.metric}",
         ]
 
@@ -180,7 +192,7 @@ class BenchRunner:
     def _run_contender(self, scenario: Scenario, contender: Contender, rep: int) -> dict[str, Any]:
         run_dir = self.out_dir / scenario.name / contender.name / f"rep{rep}"
         overrides = [
-            *self._base_overrides(scenario),
+            *self._base_overrides(scenario, rep),
             *contender.overrides,
             f"trainer.num_nodes={scenario.nodes}",
             f"trainer.devices={scenario.procs_per_node}",
@@ -196,6 +208,7 @@ class BenchRunner:
             "scenario": scenario.name,
             "strategy": contender.name,
             "repeat": rep,
+            "train_seed": self.train_seed(rep),
             "quick": self.quick,
             "target": scenario.quick_target if self.quick else scenario.target,
             "val_metric_name": scenario.metric,
@@ -260,7 +273,7 @@ class BenchRunner:
         run_dir = self.out_dir / scenario.name / IDEAL / f"rep{rep}"
         seconds = scenario.quick_ideal_s if self.quick else scenario.ideal_s
         overrides = [
-            *self._base_overrides(scenario),
+            *self._base_overrides(scenario, rep),
             "~strategy",
             "trainer.num_nodes=1",
             "trainer.devices=1",

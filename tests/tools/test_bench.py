@@ -59,12 +59,27 @@ def test_contenders_resolve_from_files_and_baselines():
         (["--scenario", "straggler", "--link-mbit", "25"], "--link-mbit needs a scenario with several nodes"),
         (["--scenario", "slow_link", "--link-mbit", "0"], "--link-mbit must be > 0"),
         (["--scenario", "slow_link", "--link-mbit", "25", "--no-netns"], "--link-mbit needs network namespaces"),
+        (["--scenario", "smoke", "--vary-seed"], "--vary-seed needs --repeats >= 2"),
     ],
 )
 def test_bad_input_is_rejected_before_running(tmp_path, args, message):
     proc = subprocess.run([*BENCH, *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_vary_seed_gives_each_repeat_its_own_training_seed_and_the_same_to_every_contender(tmp_path):
+    from lightning_syncasync.bench.runner import BenchRunner
+    from lightning_syncasync.bench.scenarios import SCENARIOS
+
+    smoke = SCENARIOS["smoke"]
+    varied = BenchRunner(tmp_path, repeats=3, seed=5, vary_seed=True)
+    fixed = BenchRunner(tmp_path, repeats=3, seed=5)
+    assert [varied.train_seed(r) for r in range(3)] == [5, 6, 7]
+    assert [fixed.train_seed(r) for r in range(3)] == [5, 5, 5]
+    assert "seed=7" in varied._base_overrides(smoke, 2) and "seed=5" in fixed._base_overrides(smoke, 2)
+    # The emulated cluster (jitter, stragglers) keeps --seed: only learning varies between repeats.
+    assert varied._cluster(smoke, tmp_path, independent=False).seed == 5
 
 
 def test_a_changed_link_rate_is_its_own_scenario():
