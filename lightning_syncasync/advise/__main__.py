@@ -52,12 +52,16 @@ def _nodes_list(spec: str) -> list[int]:
     return sorted(set(nodes))
 
 
+def _float(name: str, text: str, example: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} {text!r} is not a number; HINT: e.g. {name} {example}") from None
+
+
 def _positive(name: str, upper: float = math.inf):
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} {text!r} is not a number; HINT: e.g. {name} 5") from None
+        value = _float(name, text, "5")
         if not (0 < value <= upper):
             raise argparse.ArgumentTypeError(f"{name} must be in (0, {upper:g}], got {text}; HINT: e.g. {name} 5")
         return value
@@ -67,10 +71,7 @@ def _positive(name: str, upper: float = math.inf):
 
 def _at_least_one(name: str):
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} {text!r} is not a number; HINT: e.g. {name} 1.2") from None
+        value = _float(name, text, "1.2")
         if not value >= 1:
             raise argparse.ArgumentTypeError(
                 f"{name} must be >= 1 (a multiple of DDP's steps), got {text}; HINT: 1 ranks by throughput alone"

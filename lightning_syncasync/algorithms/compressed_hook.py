@@ -49,6 +49,11 @@ from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, re
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 
+# Exchanges a warm-up may use (exact enough to measure the gradients' scale), and the chunk-scaled methods that
+# frozen_rms rescales.
+WARMUP_METHODS = ("none", "fp16", "bf16", "int8")
+RESCALED_METHODS = ("int8", "sign")
+
 
 class CompressedAllReduce:
     """DDP comm-hook state: compressed mean of each gradient bucket, error feedback per parameter.
@@ -97,9 +102,12 @@ class CompressedAllReduce:
             raise ValueError(
                 f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 compresses from the start"
             )
-        if warmup_compressor is not None and warmup_compressor.method == "powersgd":
-            raise ValueError("warmup_compressor cannot be powersgd; HINT: 'none' (fp32) or 'int8'")
-        if frozen_rms and (warmup_steps < 1 or compressor.method not in ("int8", "sign")):
+        if warmup_compressor is not None and warmup_compressor.method not in WARMUP_METHODS:
+            raise ValueError(
+                f"warmup_compressor must use one of {WARMUP_METHODS}, got {warmup_compressor.method!r}; HINT: 'none' "
+                "(fp32) or 'int8'"
+            )
+        if frozen_rms and (warmup_steps < 1 or compressor.method not in RESCALED_METHODS):
             raise ValueError(
                 f"frozen_rms needs a warm-up to measure the RMS and a chunk-scaled method, got warmup_steps="
                 f"{warmup_steps} and {compressor.method!r}; HINT: compression='sign' with compression_warmup_steps=20"

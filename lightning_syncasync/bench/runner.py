@@ -152,7 +152,7 @@ class BenchRunner:
     def train_seed(self, rep: int) -> int:
         return self.seed + rep if self.vary_seed else self.seed
 
-    def _base_overrides(self, scenario: Scenario, rep: int = 0) -> list[str]:
+    def _base_overrides(self, scenario: Scenario, rep: int) -> list[str]:
         return [
             *scenario.overrides,
             *self.extra_overrides,

@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import all_gather_state, destroy_groups
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
-from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
+from lightning_syncasync.algorithms.compressed_hook import RESCALED_METHODS, WARMUP_METHODS, CompressedAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
@@ -120,7 +120,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
                 f"compression_warmup_steps={compression_warmup_steps} given with compression='none'; HINT: set "
                 "compression (e.g. compression='sign') or drop compression_warmup_steps"
             )
-        if compression_warmup not in ("none", "fp16", "bf16", "int8"):
+        if compression_warmup not in WARMUP_METHODS:
             raise ValueError(
                 f"compression_warmup must be one of 'none', 'fp16', 'bf16', 'int8', got {compression_warmup!r}; HINT: "
                 "'none' exchanges fp32 during the warm-up, 'int8' a quarter of the bytes"
@@ -130,7 +130,7 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
                 f"compression_warmup={compression_warmup!r} given without a warm-up; HINT: set "
                 "compression_warmup_steps (e.g. 20) or drop compression_warmup"
             )
-        if compression_frozen_rms and (compression not in ("int8", "sign") or not compression_warmup_steps):
+        if compression_frozen_rms and (compression not in RESCALED_METHODS or not compression_warmup_steps):
             raise ValueError(
                 f"compression_frozen_rms needs compression 'int8' or 'sign' and compression_warmup_steps >= 1 (to "
                 f"measure the RMS), got compression={compression!r}, compression_warmup_steps="
