@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.configs import register_configs
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ def validate_config(cfg: DictConfig) -> None:
             f"trainer.devices={devices!r} is impossible; HINT: use a positive count (trainer.devices=2), -1 or 'auto'"
         )
     if accelerator == "cpu" and isinstance(devices, int) and devices > 0:
-        cores = os.cpu_count() or 1
+        cores = max(math.ceil(usable_cores()), 1)
         # More processes than a few per core only measures contention, and hundreds would exhaust the machine.
         if devices > 4 * cores:
             raise ValueError(
@@ -62,15 +64,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.num_nodes={num_nodes!r} is impossible; HINT: use trainer.num_nodes=1 or more")
     strategy = trainer.get("strategy", "auto")
     if isinstance(strategy, str):
-        from lightning.pytorch.strategies import StrategyRegistry
+        from lightning_syncasync.strategies import check_strategy_name
 
-        import lightning_syncasync  # noqa: F401  (registers our names)
-
-        if strategy != "auto" and strategy not in StrategyRegistry:
-            raise ValueError(
-                f"trainer.strategy={strategy!r} is not a registered strategy; HINT: pick a config group "
-                f"(strategy=ddp) or one of {sorted(StrategyRegistry.available_strategies())}"
-            )
+        # "did you mean hier_sync?" and this package's names (a config group, strategy=hier_sync, also works).
+        check_strategy_name(strategy, setting="trainer.strategy")
 
 
 def _instantiate(cfg: Any, **kwargs: Any) -> Any:
@@ -127,7 +124,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if fault is not None:
         callbacks.append(fault)
     loggers = _instantiate_dict(cfg.logger)
-    trainer: pl.Trainer = _instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    from lightning_syncasync._progress_bar import resolve_enable_progress_bar
+
+    # trainer.enable_progress_bar=null (the default): a bar only when stdout is a terminal. Ranks started by the
+    # `ddp` launcher inherit this stdout, so they resolve the same value.
+    enable_progress_bar = resolve_enable_progress_bar(cfg.trainer, callbacks)
+    trainer: pl.Trainer = _instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_progress_bar=enable_progress_bar
+    )
 
     start = time.perf_counter()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
@@ -222,3 +223,32 @@ class RecordSteps(Callback):
     def on_fit_end(self, trainer, pl_module):
         out = {"steps": self.steps, "starts": self.starts, "seen": pl_module.seen}
         torch.save(out, Path(self.out) / f"rank{trainer.global_rank}.pt")
+
+
+class RecordWarnings(Callback):
+    """Each rank writes every warning raised during its fit to ``out/warnings{rank}.json`` (forked ranks' warnings
+    never reach pytest's capture)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.messages: list[str] = []
+        self._restore: Any = None
+
+    def setup(self, trainer, pl_module, stage):
+        import warnings
+
+        original = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            self.messages.append(f"{category.__name__}: {message}")
+
+        warnings.simplefilter("always")  # every copy, as a user's log would show with -W always
+        warnings.showwarning = record
+        self._restore = original
+
+    def teardown(self, trainer, pl_module, stage):
+        import json
+        import warnings
+
+        warnings.showwarning = self._restore
+        (Path(self.out) / f"warnings{trainer.global_rank}.json").write_text(json.dumps(self.messages))

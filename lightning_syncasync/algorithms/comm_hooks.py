@@ -61,6 +61,14 @@ class MeasuredAllReduce:
         self.process_group = process_group
         self.inner_hook: HookFn = inner_hook if inner_hook is not None else allreduce_hook
         self.inner_state = inner_state if inner_state is not None else process_group
+        self._group_size: int | None = None
+
+    def _alone(self) -> bool:
+        """Whether the default all-reduce runs on a group of one rank (a one-rank virtual node, ``devices=1``): it
+        moves no byte, so nothing is recorded. A custom ``inner_hook`` picks its own group and is always measured."""
+        if self._group_size is None:
+            self._group_size = dist.get_world_size(self.process_group)
+        return self.inner_hook is allreduce_hook and self._group_size == 1
 
     def register(self, ddp_module: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register on a DDP module. DDP accepts one comm hook per module, before the first backward."""
@@ -70,7 +78,7 @@ class MeasuredAllReduce:
     def hook(state: "MeasuredAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         scope = state.scope() if callable(state.scope) else state.scope
-        if scope is None:
+        if scope is None or state._alone():
             return state.inner_hook(state.inner_state, bucket)
         state.recorder.record_launch(buffer.numel() * buffer.element_size(), scope, at=time.perf_counter())
         fut = state.inner_hook(state.inner_state, bucket)

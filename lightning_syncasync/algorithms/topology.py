@@ -52,11 +52,25 @@ class Topology:
         return cls(world_size=world_size, node_size=world_size // num_nodes)
 
     @classmethod
-    def from_cluster(cls, world_size: int, num_nodes: int, node_size: int | None = None) -> Topology:
-        """The strategies' topology: the virtual ``node_size`` when given, else the real nodes of the cluster."""
-        if node_size is None:
-            return cls.from_num_nodes(world_size, num_nodes)
-        return cls(world_size=world_size, node_size=node_size)
+    def from_cluster(
+        cls, world_size: int, num_nodes: int, node_size: int | None = None, virtual_nodes: int | None = None
+    ) -> Topology:
+        """The strategies' topology: the virtual ``node_size`` when given; else each real node's ranks split into
+        ``virtual_nodes`` virtual nodes when given; else the real nodes of the cluster."""
+        if node_size is not None and virtual_nodes is not None:
+            raise ValueError(f"give node_size ({node_size}) or virtual_nodes ({virtual_nodes}), not both")
+        if node_size is not None:
+            return cls(world_size=world_size, node_size=node_size)
+        real = cls.from_num_nodes(world_size, num_nodes)
+        if virtual_nodes is None:
+            return real
+        if virtual_nodes < 1 or real.node_size % virtual_nodes:
+            splits = [d for d in range(1, real.node_size + 1) if real.node_size % d == 0]
+            raise ValueError(
+                f"virtual_nodes={virtual_nodes} cannot split a node of {real.node_size} rank(s) evenly; HINT: choose "
+                f"virtual_nodes among {splits}, or set node_size"
+            )
+        return cls(world_size=world_size, node_size=real.node_size // virtual_nodes)
 
     @property
     def num_nodes(self) -> int:

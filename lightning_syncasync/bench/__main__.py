@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--override {bad[0]!r} is not KEY=VALUE, e.g. --override data.batch_size=64")
         runner = BenchRunner(args.out, quick=args.quick, repeats=args.repeats, seed=args.seed, netns=netns,
                              extra_overrides=args.override, vary_seed=args.vary_seed)  # fmt: skip
+        for scenario in scenarios:
+            # Every contender of every scenario is checked before the first run starts.
+            runner.check(scenario, contenders)
     except (ValueError, EmulationUnavailable) as err:
         print(f"syncasync-bench: error: {err}", file=sys.stderr)
         return 2

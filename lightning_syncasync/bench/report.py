@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.bench.runner import median_or_none
 from lightning_syncasync.bench.scenarios import lookup
 
@@ -71,9 +72,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
         "",
         *[f"- `{c}`" for c in commands],
         "",
-        f"Machine: {os.cpu_count()} cores. Every figure below was measured in the runs listed in `results.json`; "
-        "timings are medians over repeats with [min-max] when there is more than one. `efficiency` is the "
-        "contender's samples/s over the *ideal*: the same ranks, CPU shares and stragglers with communication "
+        f"Machine: {usable_cores():g} usable cores. Every figure below was measured in the runs listed in "
+        "`results.json`; timings are medians over repeats with [min-max] when there is more than one. `efficiency` is "
+        "the contender's samples/s over the *ideal*: the same ranks, CPU shares and stragglers with communication "
         "switched off (each rank trains alone), measured in the same invocation.",
         "",
     ]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_syncasync.bench.scenarios import Scenario
 from lightning_syncasync.emulate.cluster import EmulatedCluster
@@ -32,6 +32,10 @@ CONTENDER_DIR = Path(__file__).resolve().parent.parent / "conf" / "bench" / "con
 # Steps left out of throughput figures (one-off start-up costs), the same for every contender and the ideal.
 WARMUP_STEPS = 5
 BASELINES = ("ddp", "ddp_post_local_sgd", "ddp_hier_averager")
+# Start methods with which a strategy starts its ranks' processes itself (Lightning's _MultiProcessingLauncher). The
+# emulator already starts one `syncasync-train` per rank, so each would start a second set that binds the same
+# rendezvous port: gloo's EADDRINUSE in the rank logs and only "run failed" in the report (issue 23).
+SELF_LAUNCHING_START_METHODS = frozenset({"spawn", "fork", "forkserver"})
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,74 @@ def resolve_contenders(spec: str) -> list[Contender]:
     return out
 
 
+def check_launcher(contender: Contender, overrides: list[str]) -> None:
+    """Refuse a contender whose strategy would start processes of its own inside the emulated ranks.
+
+    Args:
+        contender: the contender, named in the message.
+        overrides: the run's ``syncasync-train`` overrides (scenario, ``--override``, contender), composed as the app
+            composes them, so a strategy from a user's own config (``hydra.searchpath``) is seen too.
+
+    Raises:
+        ValueError: naming the contender, the setting and the strategy to use instead; also when the overrides do not
+            compose (the run would fail the same way, later).
+    """
+    from hydra.errors import HydraException
+    from lightning.pytorch.strategies import StrategyRegistry
+    from omegaconf.errors import OmegaConfBaseException
+
+    import lightning_syncasync  # noqa: F401  (registers our strategy names)
+    from lightning_syncasync.advise.probe import compose_config
+
+    try:
+        cfg = compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ValueError(
+            f"contender {contender.name!r} does not compose: {err}; HINT: check its overrides "
+            f"{list(contender.overrides)} and --override against the scenario's workload"
+        ) from err
+    strategy = OmegaConf.select(cfg, "trainer.strategy")
+    why = "starts a second set of processes inside each emulated rank (gloo EADDRINUSE)"
+    hint = "(the emulator starts one process per rank)"
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        params = dict(entry["init_params"])
+        start_method = params.pop("start_method", "popen")
+        if start_method in SELF_LAUNCHING_START_METHODS:
+            plain = _plain_strategy_name(entry["strategy"], params)
+            fix = f"use {plain!r} {hint}" if plain else f"use a strategy with start_method='popen' {hint}"
+            raise ValueError(
+                f"contender {contender.name!r} resolves to trainer.strategy={strategy!r}, whose start_method="
+                f"{start_method!r} {why}; HINT: {fix}"
+            )
+    elif isinstance(strategy, DictConfig) and strategy.get("start_method") in SELF_LAUNCHING_START_METHODS:
+        # A strategy config group (`strategy=hier_sync_spawn`, a user's own file, `strategy.start_method=spawn`).
+        target = str(strategy.get("_target_", ""))
+        cls = next((e["strategy"] for e in StrategyRegistry.values() if _import_path(e["strategy"]) == target), None)
+        plain = _plain_strategy_name(cls, {}) if cls is not None else None
+        fix = f"use {plain!r} with strategy.start_method=popen" if plain else "set strategy.start_method=popen"
+        raise ValueError(
+            f"contender {contender.name!r} resolves to strategy.start_method={strategy.get('start_method')!r}, which "
+            f"{why}; HINT: {fix} {hint}"
+        )
+
+
+def _import_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain_strategy_name(cls: type, params: dict[str, Any]) -> str | None:
+    """The shortest registered name for ``cls`` with ``params`` whose processes are started from outside (popen)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = []
+    for name, entry in StrategyRegistry.items():
+        init = dict(entry["init_params"])
+        if entry["strategy"] is cls and init.pop("start_method", "popen") == "popen" and init == params:
+            names.append(name)
+    return min(names, key=len, default=None)
+
+
 class BenchRunner:
     """Runs a scenario's contenders and the ideal, interleaved, and returns one record per (contender, repeat).
 
@@ -118,8 +190,18 @@ class BenchRunner:
         self.netns = netns
         self.run_timeout_s = run_timeout_s
         self.extra_overrides = list(extra_overrides or [])
+        self._checked: set[tuple[str, ...]] = set()
+
+    def check(self, scenario: Scenario, contenders: list[Contender]) -> None:
+        """Refuse, before anything runs, contenders that cannot run inside the emulator (:func:`check_launcher`)."""
+        for contender in contenders:
+            overrides = self._contender_overrides(scenario, contender, rep=0)
+            if tuple(overrides) not in self._checked:
+                check_launcher(contender, overrides)
+                self._checked.add(tuple(overrides))
 
     def run(self, scenario: Scenario, contenders: list[Contender]) -> list[dict[str, Any]]:
+        self.check(scenario, contenders)
         items: list[Contender | None] = [None, *contenders]  # None: the ideal run
         records: list[dict[str, Any]] = []
         for rep in range(self.repeats):
@@ -189,15 +271,17 @@ class BenchRunner:
     def _train_cmd(self, overrides: list[str]) -> list[str]:
         return [sys.executable, "-m", "lightning_syncasync.train", *overrides]
 
-    def _run_contender(self, scenario: Scenario, contender: Contender, rep: int) -> dict[str, Any]:
-        run_dir = self.out_dir / scenario.name / contender.name / f"rep{rep}"
-        overrides = [
+    def _contender_overrides(self, scenario: Scenario, contender: Contender, rep: int) -> list[str]:
+        return [
             *self._base_overrides(scenario, rep),
             *contender.overrides,
             f"trainer.num_nodes={scenario.nodes}",
             f"trainer.devices={scenario.procs_per_node}",
-            f"hydra.run.dir={run_dir}",
         ]
+
+    def _run_contender(self, scenario: Scenario, contender: Contender, rep: int) -> dict[str, Any]:
+        run_dir = self.out_dir / scenario.name / contender.name / f"rep{rep}"
+        overrides = [*self._contender_overrides(scenario, contender, rep), f"hydra.run.dir={run_dir}"]
         log.info("[%s] %s rep %d", scenario.name, contender.name, rep)
         start = time.monotonic()
         report = self._cluster(scenario, run_dir / "logs", independent=False).run(

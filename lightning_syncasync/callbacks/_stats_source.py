@@ -14,10 +14,13 @@ import weakref
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_syncasync.algorithms._comm import all_gather_flat, collective_device
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
@@ -85,3 +88,21 @@ def _time_reduce(trainer: pl.Trainer, recorder: StatsRecorder) -> None:
             recorder.record_wait(time.perf_counter() - start)
 
     strategy.reduce = reduce  # type: ignore[method-assign]
+
+
+def gather_rows(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same length everywhere), in rank order, on every rank.
+
+    Straight through ``torch.distributed`` on the default group (the group Lightning's ``strategy.all_gather`` uses):
+    Lightning's version goes through ``torch.distributed.nn.functional.all_gather``, which warns about its own
+    deprecation on every call, and three callbacks gathering every window flooded the log with it. float64, so
+    counters of samples and bytes stay exact.
+    """
+    local = torch.tensor(values, dtype=torch.float64)
+    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return [local.tolist()]
+    device = collective_device()  # NCCL gathers CUDA tensors only
+    sent = local.to(device)
+    out = torch.empty(dist.get_world_size() * sent.numel(), dtype=sent.dtype, device=device)
+    all_gather_flat(out, sent, group=None)
+    return out.cpu().reshape(-1, sent.numel()).tolist()

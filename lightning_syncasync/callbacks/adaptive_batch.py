@@ -48,7 +48,7 @@ from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
-from lightning_syncasync.callbacks._stats_source import stats_recorder
+from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
 log = logging.getLogger(__name__)
@@ -387,12 +387,7 @@ class AdaptiveBatchSize(Callback):
         window = [probe.grad_sq_sum, probe.trace_sum, float(probe.count)] if probe is not None else [0.0, 0.0, 0.0]
         if probe is not None:
             probe.reset_window()
-        local = torch.tensor(
-            [self._samples, self._compute_s, float(self.sampler.produced), *window],
-            dtype=torch.float64,
-            device=pl_module.device,
-        )
-        rows = trainer.strategy.all_gather(local).reshape(trainer.world_size, 6).cpu().tolist()
+        rows = gather_rows(trainer, [self._samples, self._compute_s, float(self.sampler.produced), *window])
         self._samples = self._compute_s = 0.0
         measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in rows]
         previous = self._throughput

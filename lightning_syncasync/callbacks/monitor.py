@@ -13,7 +13,6 @@ import json
 import math
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
-from lightning_syncasync.callbacks._stats_source import stats_recorder
+from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
 
 # Order of the per-rank vector gathered for the summary table.
 _FIELDS = (
@@ -262,21 +261,15 @@ class SyncMonitor(Callback):
         if self._recorder is None:
             return
         memory = _memory(trainer)
-        local = torch.tensor(
-            [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS], dtype=torch.float64
-        )
-        with warnings.catch_warnings():
-            # Lightning's all_gather goes through a torch function that warns about its own deprecation.
-            warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
-            gathered = trainer.strategy.all_gather(local.to(pl_module.device)).cpu().reshape(-1, len(_FIELDS))
+        local = [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS]
+        gathered = torch.tensor(gather_rows(trainer, local), dtype=torch.float64)
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
         self.summary["fit_wall_s"] = time.perf_counter() - self._fit_start
         # This rank's whole-run histograms of version staleness and SSP clock gaps ({value: count}).
         self.summary["histograms"] = {k: dict(sorted(v.items())) for k, v in self._recorder.histograms.items()}
         self.summary["val_history"] = self.val_history
         self.summary["events"] = self.events
-        if self.print_summary:
-            _print_summary(self.summary)
+        # Printed in on_fit_end, once the progress bars are done drawing: the table is the last thing fit shows.
         if self.summary_file and trainer.is_global_zero:
             path = Path(self.summary_file)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,6 +286,18 @@ class SyncMonitor(Callback):
         if self._restore_pbar is not None:
             self._restore_pbar()
             self._restore_pbar = None
+        if not (self.print_summary and self.summary):
+            return
+        # TQDMProgressBar has closed its bars by now (on_train_end, on_validation_end), but RichProgressBar keeps its
+        # live display until its teardown hook, which runs after on_fit_end and draws the final frame again below
+        # anything printed meanwhile (lightning/pytorch/callbacks/progress/rich_progress.py). Its teardown only stops
+        # the display and is safe to call twice, so stop it here and let the table come last.
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, RichProgressBar):
+            bar.teardown(trainer, pl_module, "fit")
+        _print_summary(self.summary)
 
     def _accumulate(self, stats: StepStats) -> None:
         self._samples_seen += stats.samples
@@ -379,6 +384,25 @@ def _new_epoch() -> dict[str, float]:
     return {"steps": 0, "samples": 0, "wall_s": 0.0, "bytes": 0}
 
 
+def _topology(trainer: pl.Trainer) -> dict[str, Any]:
+    """The nodes the strategy works with: its (possibly virtual) ``topology`` when it has one (the public attribute
+    of hier_sync, auto_sync, ddp_measured), else the cluster's; and the machines the ranks run on."""
+    topology = getattr(trainer.strategy, "topology", None)
+    machines = trainer.num_nodes
+    if topology is None:
+        return {"num_nodes": machines, "node_size": trainer.world_size // max(machines, 1), "machines": machines}
+    return {"num_nodes": topology.num_nodes, "node_size": topology.node_size, "machines": machines}
+
+
+def _topology_text(summary: dict[str, Any]) -> str:
+    nodes, machines = summary["num_nodes"], summary.get("machines", summary["num_nodes"])
+    if nodes == machines:
+        return f"{summary['world_size']} rank(s) on {nodes} node(s)"
+    return (
+        f"{summary['world_size']} rank(s) as {nodes} virtual node(s) of {summary['node_size']} on {machines} machine(s)"
+    )
+
+
 def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[str, Any]:
     ranks = []
     for i, row in enumerate(gathered.tolist()):
@@ -410,7 +434,7 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
         "strategy": type(trainer.strategy).__name__,
         "mode": mode,
         "world_size": trainer.world_size,
-        "num_nodes": trainer.num_nodes,
+        **_topology(trainer),
         # Every rank processes its own samples, so the job's throughput is the sum of the ranks' rates.
         "global_samples_per_s": sum(r["samples_per_s"] for r in ranks),
         "compute_s_per_step": mean("compute_s_per_step"),
@@ -434,10 +458,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(
-        title=(
-            f"syncasync summary: {summary['strategy']} (mode {summary['mode']}), "
-            f"{summary['world_size']} rank(s) on {summary['num_nodes']} node(s)"
-        )
+        title=(f"syncasync summary: {summary['strategy']} (mode {summary['mode']}), {_topology_text(summary)}")
     )
     for col in (
         "rank",

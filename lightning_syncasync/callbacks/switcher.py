@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,13 +30,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_syncasync.algorithms.switch_policy import MODES, SwitchPolicy, WindowStats
+from lightning_syncasync.callbacks._stats_source import gather_rows
 from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy, ModeUnavailableError
 
 log = logging.getLogger(__name__)
-
-_FIELDS = 7  # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite
 
 
 class SyncSwitcher(Callback):
@@ -192,17 +190,11 @@ class SyncSwitcher(Callback):
         finite = losses[torch.isfinite(losses)]
         nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None
         strategy.diverged = None
-        local = torch.tensor(
-            [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
-             float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
-             1.0 if nonfinite else 0.0],
-            dtype=torch.float64,
-        )  # fmt: skip
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
-            # On the module's device: NCCL gathers CUDA tensors only.
-            device = trainer.strategy.root_device
-            rows = trainer.strategy.all_gather(local.to(device)).cpu().reshape(-1, _FIELDS).tolist()
+        # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite
+        local = [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
+                 float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
+                 1.0 if nonfinite else 0.0]  # fmt: skip
+        rows = gather_rows(trainer, local)
         walls = [r[4] for r in rows]
         loss_values = [r[5] for r in rows if r[5] == r[5]]
         return WindowStats(

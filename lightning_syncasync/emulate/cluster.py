@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.callbacks.faults import ENV_FAULT
 from lightning_syncasync.callbacks.straggler import (
     ENV_JITTER,
@@ -85,8 +86,8 @@ class EmulatedCluster:
         jitter: ``"PROB:FACTOR"`` transient pauses (injected by ``StragglerEmulator`` in the training process).
         schedule: ``"RANK:FACTOR@START-END"`` time-windowed slowdowns (idem).
         seed: seed of the jitter draws.
-        cpu_budget: cores shared by all ranks (default: 75% of this machine's cores, leaving room for the kernel,
-            the launcher and I/O so that ranks do not wait for a CPU); each rank gets
+        cpu_budget: cores shared by all ranks (default: 75% of the cores this process may use, leaving room for the
+            kernel, the launcher and I/O so that ranks do not wait for a CPU); each rank gets
             ``cpu_budget / world_size`` cores, divided by its straggler factor. Must not exceed the machine's cores,
             or the shares stop being independent.
         netns: emulate nodes with network namespaces (root); ``False``: plain loopback, no bandwidth limit.
@@ -140,12 +141,12 @@ class EmulatedCluster:
                     f"--straggler-schedule rank {w.rank} is outside the world of {self.world_size} ranks; HINT: ranks "
                     f"are 0..{self.world_size - 1}"
                 )
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         budget = 0.75 * cores if cpu_budget is None else cpu_budget
         if not 0 < budget <= cores:
             raise ValueError(
-                f"--cpu-budget must be in (0, {cores}] (this machine's cores), got {budget}; above it the ranks "
-                "compete for CPU and stop behaving like separate machines"
+                f"--cpu-budget must be in (0, {cores:g}] (the cores this process may use), got {budget}; above it the "
+                "ranks compete for CPU and stop behaving like separate machines"
             )
         if grace_s < 0:
             raise ValueError(

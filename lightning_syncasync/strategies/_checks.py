@@ -76,11 +76,23 @@ def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
         raise ValueError(f"{key} is not a setting of {name}{extra}; HINT: {hint}")
 
 
-def check_node_size(node_size: int | None) -> None:
+def check_node_size(node_size: int | None, virtual_nodes: int | None = None) -> None:
+    """``node_size`` (ranks per node) and ``virtual_nodes`` (virtual nodes per real node): at most one of them."""
     if node_size is not None and node_size < 1:
         raise ValueError(
             f"node_size must be >= 1 (or None for the real nodes), got {node_size}; HINT: None uses the real nodes, "
             "2 makes virtual nodes of 2 ranks"
+        )
+    if virtual_nodes is None:
+        return
+    if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, int) or virtual_nodes < 1:
+        raise ValueError(
+            f"virtual_nodes must be an integer >= 1 (or None), got {virtual_nodes!r}; HINT: 2 splits each node's "
+            "ranks into 2 virtual nodes"
+        )
+    if node_size is not None:
+        raise ValueError(
+            f"node_size={node_size} and virtual_nodes={virtual_nodes} both set the node size; HINT: give one of them"
         )
 
 

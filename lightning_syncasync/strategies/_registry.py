@@ -11,6 +11,7 @@ Names follow Lightning's ``ddp``/``ddp_spawn`` convention: the ``_spawn`` alias 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,10 +31,15 @@ class StrategyEntry:
     init_params: dict[str, Any] = field(default_factory=dict)
 
 
-def _with_spawn(name: str, class_path: str, description: str) -> list[StrategyEntry]:
+def _with_spawn(
+    name: str, class_path: str, description: str, init_params: dict[str, Any] | None = None
+) -> list[StrategyEntry]:
+    params = dict(init_params or {})
     return [
-        StrategyEntry(name, class_path, description),
-        StrategyEntry(f"{name}_spawn", class_path, f"{description} (spawn start method)", {"start_method": "spawn"}),
+        StrategyEntry(name, class_path, description, params),
+        StrategyEntry(
+            f"{name}_spawn", class_path, f"{description} (spawn start method)", {**params, "start_method": "spawn"}
+        ),
     ]
 
 
@@ -42,6 +48,13 @@ STRATEGIES: list[StrategyEntry] = [
         "hier_sync",
         "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
         "full sync inside a node, bounded-delay averaging across nodes",
+    ),
+    # hier_sync on one machine: its ranks split into 2 virtual nodes, so a single box exercises the hierarchy.
+    *_with_spawn(
+        "hier_sync_virtual",
+        "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
+        "hier_sync with each machine's ranks split into 2 virtual nodes (try the hierarchy on one machine)",
+        {"virtual_nodes": 2},
     ),
     *_with_spawn(
         "async_ssp",
@@ -52,6 +65,11 @@ STRATEGIES: list[StrategyEntry] = [
         "auto_sync",
         "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
         "sync, hierarchical or asynchronous, switched from live metrics by SyncSwitcher",
+    ),
+    *_with_spawn(
+        "ddp_measured",
+        "lightning_syncasync.strategies.measured_ddp.MeasuredDDPStrategy",
+        "Lightning's DDP, measured, with compressed gradients (compression=) or post-local/hierarchical SGD",
     ),
     *_with_spawn(
         "deepspeed_cpu",
@@ -91,3 +109,38 @@ def register_strategies(registry: Any = StrategyRegistry, entries: Iterable[Stra
         registry.register(entry.name, cls, description=entry.description, **entry.init_params)
         names.append(entry.name)
     return names
+
+
+def pack_strategy_names() -> list[str]:
+    """This package's registered names, in table order."""
+    return [entry.name for entry in STRATEGIES]
+
+
+def check_strategy_name(name: str, setting: str = "strategy", registry: Any = StrategyRegistry) -> str:
+    """Return ``name`` if ``Trainer(strategy=name)`` will find it; otherwise raise a ``ValueError`` that names the
+    setting, suggests the closest registered names ("did you mean hier_sync?") and lists this package's names.
+
+    Lightning's own message for an unknown name lists every registered name without a suggestion, and when
+    ``import lightning_syncasync`` was forgotten it lacks this package's names altogether; the CLI and the Hydra app
+    check the name with this before the Trainer is built. Registers this package's names first (idempotent), so a
+    name of ours is always found.
+
+    Example::
+
+        check_strategy_name("hier_synk")  # ValueError: ... did you mean 'hier_sync'? ...
+    """
+    if not isinstance(name, str) or name == "auto":
+        return name
+    register_strategies(registry)
+    if name in registry:
+        return name
+    ours = pack_strategy_names()
+    known = list(dict.fromkeys([*ours, *registry.available_strategies()]))
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    suggestion = f"did you mean {close[0]!r}? " if close else ""
+    # Lightning's own names without the dozen *_find_unused_parameters_* spellings, which would bury the rest.
+    lightning = sorted(n for n in known if n not in ours and "find_unused_parameters" not in n)
+    raise ValueError(
+        f"{setting}={name!r} is not a registered strategy name; HINT: {suggestion}lightning_syncasync's names: "
+        f"{', '.join(ours)}; Lightning's own: {', '.join(lightning)} (and *_find_unused_parameters_* variants)"
+    )

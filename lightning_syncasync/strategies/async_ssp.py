@@ -47,6 +47,7 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
+from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -78,7 +79,9 @@ class LocalReduceWhileAsync:
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
 
-class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, DDPStrategy):
+class AsyncSSPStrategy(
+    WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+):
     """Asynchronous training with Stale Synchronous Parallel bounded staleness, for any LightningModule.
 
     Args:
@@ -271,12 +274,12 @@ class AsyncSSPStrategy(WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgor
         return self.exchange
 
     @override
-    def on_train_end(self) -> None:
-        # The model fit() leaves behind is the merged one; the exchange stops on every rank after the same round.
+    def _merge_replicas(self) -> None:
+        # The model fit() leaves behind (and on_train_end hooks see) is the merged one; the exchange stops on every
+        # rank after the same round.
         if self.exchange is not None and self.exchange._thread is not None:
             self.exchange.cut(self._apply, stop=True)
             _log_staleness(self.exchange)
-        super().on_train_end()
 
     @override
     def teardown(self) -> None:

@@ -54,6 +54,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
+from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
@@ -77,7 +78,9 @@ class ModeUnavailableError(ValueError):
     """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
 
 
-class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, ValidatesNodeMean, CheckpointedAlgorithm, DDPStrategy):
+class AutoSyncStrategy(
+    WatchedStrategy, LocalReduceWhileAsync, ValidatesNodeMean, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+):
     """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
 
     Args:
@@ -204,6 +207,8 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, ValidatesNodeMean
     def _hook_scope(self) -> Scope | None:
         if self.mode == "async":
             return None  # no collective: nothing to measure
+        if self.mode == "hier" and self.topology is not None and self.topology.node_size == 1:
+            return None  # a one-rank node's all-reduce moves nothing
         spans = self.mode == "sync" and self.topology is not None and self.topology.num_nodes > 1
         return "inter" if spans else "intra"
 
@@ -391,12 +396,12 @@ class AutoSyncStrategy(WatchedStrategy, LocalReduceWhileAsync, ValidatesNodeMean
         return _ModeState(self) if self._tensors is not None else None
 
     @override
-    def on_train_end(self) -> None:
-        # The model fit() leaves behind is the merged one, whatever the mode; the mode's threads stop here.
+    def _merge_replicas(self) -> None:
+        # The model fit() leaves behind (and on_train_end hooks see) is the merged one, whatever the mode; the mode's
+        # threads stop here.
         if self._tensors is not None:
             self._leave(self.mode)
             self._tensors = None
-        super().on_train_end()
 
     @override
     def teardown(self) -> None:

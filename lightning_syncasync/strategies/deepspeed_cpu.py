@@ -35,6 +35,7 @@ _FOREIGN = {
     "inter_period": "hier_sync",
     "max_delay": "hier_sync",
     "node_size": "hier_sync",
+    "virtual_nodes": "hier_sync",
     "outer": "hier_sync",
     "staleness": "async_ssp",
     "compensation": "async_ssp",

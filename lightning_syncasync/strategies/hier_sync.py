@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -31,9 +32,10 @@ from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
+from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
@@ -42,7 +44,7 @@ from lightning_syncasync.strategies._watch import WatchedStrategy
 log = logging.getLogger(__name__)
 
 
-class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm, DDPStrategy):
+class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy):
     """Hierarchical synchronisation for any LightningModule.
 
     Args:
@@ -53,6 +55,9 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         max_delay: steps a cross-node average may lag before it is applied (>= 0; 0 = synchronous).
         node_size: ranks per node; default from the cluster (``world_size // num_nodes``). A smaller value forms
             virtual nodes, so one machine can exercise the hierarchy (4 processes as 2 nodes of 2).
+        virtual_nodes: split each node's ranks into this many virtual nodes instead of giving ``node_size``
+            (``virtual_nodes=2`` on one machine of 4 processes: 2 nodes of 2). The registered name
+            ``hier_sync_virtual`` sets it to 2, so the string form reaches virtual nodes too.
         outer: ``"average"`` or ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo).
         outer_lr: outer learning rate (``outer="nesterov"``).
         outer_momentum: outer momentum (``outer="nesterov"``).
@@ -69,7 +74,8 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
 
     Example::
 
-        Trainer(strategy="hier_sync", accelerator="cpu", devices=4)  # 1 node: plain DDP semantics
+        Trainer(strategy="hier_sync", accelerator="cpu", devices=4)  # 1 node: plain DDP semantics (it says so)
+        Trainer(strategy="hier_sync_virtual", accelerator="cpu", devices=4)  # 2 virtual nodes of 2
         Trainer(strategy=HierSyncStrategy(node_size=2, max_delay=1), accelerator="cpu", devices=4)
     """
 
@@ -88,12 +94,13 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         compression_options: dict[str, Any] | None = None,
         peer_timeout_s: float = 60.0,
         warmup_steps: int = 0,
+        virtual_nodes: int | None = None,
         **kwargs: Any,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum, warmup_steps)
         check_common("hier_sync does its own cross-node averaging", compression, compression_options, peer_timeout_s,
                      kwargs, type(self), wraps_ddp=True)  # fmt: skip
-        check_node_size(node_size)
+        check_node_size(node_size, virtual_nodes)
         super().__init__(**kwargs)
         self.inter_period = inter_period
         self.max_delay = max_delay
@@ -105,6 +112,7 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         self.compression_options = dict(compression_options or {})
         self.peer_timeout_s = peer_timeout_s
         self.warmup_steps = warmup_steps
+        self.virtual_nodes = virtual_nodes
         self.sync_stats = StatsRecorder(mode="hier")
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None
@@ -119,8 +127,17 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        topo = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size)  # checks node_size | world
+        # Checks that node_size divides the world (or virtual_nodes each node's ranks).
+        topo = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size, self.virtual_nodes)
         self.topology = topo
+        if topo.num_nodes == 1:
+            # One node: nothing to average across, so every step is plain DDP. A user trying hier_sync on one box
+            # would otherwise see DDP's numbers and not know why.
+            rank_zero_warn(
+                f"hier_sync: all {self.world_size} rank(s) are on one node, so this run is plain DDP (no cross-node "
+                "averaging). HINT: node_size=1 (or any divisor of the ranks) forms virtual nodes on one machine; as a "
+                "name, strategy='hier_sync_virtual' splits the machine into 2 virtual nodes"
+            )
         # Every rank creates every group, in the same order (torch requires it). DDP and the averager get separate
         # node groups so that their collectives never interleave on one group.
         self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
@@ -149,11 +166,17 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
             return
         # With a warm-up, the hook all-reduces over every rank until the averager says it is over (torch's
         # post_localSGD_hook, the other way round: DDP is built on the node group, the hook widens it).
-        spans = self.topology is not None and self.topology.num_nodes > 1
+        assert self.topology is not None
+        spans, alone = self.topology.num_nodes > 1, self.topology.node_size == 1
+
+        def scope() -> Scope | None:
+            if self._in_warmup():
+                return "inter" if spans else "intra"
+            return None if alone else "intra"  # a one-rank node's all-reduce moves nothing
+
         MeasuredAllReduce(
-            self.sync_stats, scope=lambda: "inter" if self._in_warmup() and spans else "intra",
-            process_group=self._node_group, inner_hook=_warmup_hook, inner_state=self,
-        ).register(self.model)  # fmt: skip
+            self.sync_stats, scope=scope, process_group=self._node_group, inner_hook=_warmup_hook, inner_state=self
+        ).register(self.model)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -207,18 +230,18 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         super().on_validation_start()
 
     @override
-    def on_train_end(self) -> None:
-        # The model fit() leaves behind (and that test/predict/save use) is the merged one, not a node's replica:
-        # a consistent cut, since draining alone leaves each node's progress since the last launch unmerged.
+    def _merge_replicas(self) -> None:
+        # The model fit() leaves behind (and that on_train_end hooks, test/predict and save see) is the merged one,
+        # not a node's replica: a consistent cut, since draining alone leaves each node's progress since the last
+        # launch unmerged.
         if self.averager is not None:
             self.averager.synchronize()
-        super().on_train_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Checkpoints hold a consistent cut: every node the same model, no residual held back (all ranks save
         # together, so this collective is safe here).
-        if self.averager is not None:
+        if self.averager is not None and not self._replicas_merged:  # merged at the end of fit: nothing moved since
             # Also when saved from a callback during validation (ModelCheckpoint's on_validation_end runs before
             # ours): synchronize() drains, which first puts back the node replica lent to validation.
             self.averager.synchronize()

@@ -18,6 +18,9 @@ Modes (``local_sgd``):
   each node every step and across all ranks every ``averaging_period`` steps (``HierarchicalModelAverager`` with
   ``{1: node_size, averaging_period: world_size}``).
 
+In both local SGD modes the parameters of all ranks are averaged once more when training ends, before any
+``on_train_end`` hook, so that fit leaves one model on every rank (Lightning's recipe leaves each rank its own).
+
 ``compression`` (``fp16``, ``bf16``, ``int8``, ``sign``, ``powersgd``) replaces the flat all-reduce with the
 compressed one of :class:`~lightning_syncasync.algorithms.compressed_hook.CompressedAllReduce` (error feedback per
 parameter, bytes measured from the payload). When the ranks span several nodes with several ranks each, it is
@@ -40,6 +43,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -52,6 +56,7 @@ from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_compression_options, check_kwargs, check_node_size
+from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -64,7 +69,7 @@ _MODES = (None, "post_local_sgd", "hierarchical")
 COMPRESSED_BUCKET_MB = 2.0  # DDP bucket size under compression unless the user sets bucket_cap_mb (see __init__)
 
 
-class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
+class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
     """DDP whose communication is measured for ``SyncMonitor``, optionally with post-local SGD or hierarchical SGD.
 
     Args:
@@ -93,8 +98,12 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
 
     Example::
 
+        Trainer(strategy="ddp_measured", devices=4)  # plain DDP, measured
+        Trainer(strategy=MeasuredDDPStrategy(compression="int8"), devices=4)
         Trainer(strategy=MeasuredDDPStrategy(local_sgd="post_local_sgd", averaging_period=8), devices=4)
     """
+
+    strategy_name = "ddp_measured"
 
     def __init__(
         self,
@@ -285,6 +294,18 @@ class MeasuredDDPStrategy(WatchedStrategy, DDPStrategy):
                 nbytes = sum(p.numel() * p.element_size() for p in params)
                 self.sync_stats.record_blocking(nbytes, scope, time.perf_counter() - start)
         return out
+
+    @override
+    def _merge_replicas(self) -> None:
+        # Local SGD's replicas part between global averagings (the last steps' progress is each rank's own): the
+        # model fit() leaves behind, and on_train_end hooks see, is their average, as the next global averaging
+        # would make it, with rank 0's buffers (DDP's rule: it broadcasts them at every forward).
+        module, world = self.lightning_module, dist.group.WORLD
+        if self._averager is None or module is None or world is None:
+            return
+        average_parameters(iter([p for p in module.parameters() if p.requires_grad]), world)
+        for b in module.buffers():
+            dist.broadcast(b.data, src=0)
 
     def _averaging_scope(self) -> Literal["intra", "inter"] | None:
         """Which link the averager's all-reduce at this step crosses (``None``: it does not communicate)."""

@@ -53,3 +53,15 @@ def test_bad_queries():
         t.cross_node_ranks(2)
     with pytest.raises(ValueError, match="num_nodes"):
         Topology.from_num_nodes(world_size=4, num_nodes=3)
+
+
+def test_virtual_nodes_split_each_real_node():
+    assert Topology.from_cluster(world_size=4, num_nodes=1, virtual_nodes=2) == Topology(world_size=4, node_size=2)
+    # 2 machines of 4 ranks, each split in 2: 4 nodes of 2, node-major as the launchers lay ranks out.
+    assert Topology.from_cluster(world_size=8, num_nodes=2, virtual_nodes=2).all_nodes() == [
+        [0, 1], [2, 3], [4, 5], [6, 7]
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"virtual_nodes=3 cannot split a node of 4 rank\(s\).*\[1, 2, 4\]"):
+        Topology.from_cluster(world_size=4, num_nodes=1, virtual_nodes=3)
+    with pytest.raises(ValueError, match="not both"):
+        Topology.from_cluster(world_size=4, num_nodes=1, node_size=2, virtual_nodes=2)

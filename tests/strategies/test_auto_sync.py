@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ConstantGradModel, NaNInAsyncModel, RecordSteps, TinyModel, ValidationProbeModel
+from _models import (
+    ConstantGradModel,
+    NaNInAsyncModel,
+    RecordSteps,
+    RecordWarnings,
+    TinyModel,
+    ValidationProbeModel,
+)
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -191,3 +198,19 @@ def test_switcher_needs_auto_sync():
                       enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     with pytest.raises(ValueError, match="auto_sync"):
         trainer.fit(TinyModel())
+
+
+@pytest.mark.timeout(240)
+def test_the_gathering_callbacks_raise_no_deprecation_warning(tmp_path):
+    # SyncMonitor, SyncSwitcher (a window every 3 steps) and AdaptiveBatchSize all gather per-rank figures; through
+    # Lightning's all_gather each call warned "torch.distributed.nn.functional.all_gather is deprecated".
+    from lightning_syncasync.callbacks import AdaptiveBatchSize
+
+    switcher = SyncSwitcher(window=3, warmup_steps=3, dwell_windows=1)
+    callbacks = [switcher, AdaptiveBatchSize(interval=3, warmup_steps=2), RecordWarnings(str(tmp_path))]
+    _fit(tmp_path, AutoSyncStrategy(start_method="fork"), TinyModel(), steps=12, callbacks=callbacks)
+    for rank in range(2):
+        messages = json.loads((tmp_path / f"warnings{rank}.json").read_text())
+        assert not [m for m in messages if "all_gather" in m], messages
+    decisions = torch.load(tmp_path / "rank0.pt")["decisions"]
+    assert len(decisions) >= 2  # the switcher did gather, window after window

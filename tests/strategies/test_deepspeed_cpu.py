@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import TinyModel  # noqa: E402 (tests/ is on sys.path through its conftest)
+from _host import deepspeed_cpu_fp16, deepspeed_runs_fp16  # tests/ is on sys.path through its conftest
+from _models import TinyModel
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -82,11 +83,32 @@ def test_bad_settings_are_refused_at_construction(kwargs, match):
         DeepSpeedCPUStrategy(**kwargs)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs fp16 is supported")
-def test_fp16_on_cpu_is_refused_when_the_trainer_is_built(tmp_path):
-    from deepspeed.accelerator import get_accelerator
+@pytest.mark.parametrize("supported", [False, True], ids=["cpu_without_fp16", "cpu_with_fp16"])
+def test_fp16_follows_what_the_deepspeed_accelerator_reports(tmp_path, supported):
+    # A faked accelerator, so both answers are checked on every machine, whatever its CPU supports.
+    with deepspeed_cpu_fp16(supported):
+        if supported:
+            trainer = _trainer(tmp_path, DeepSpeedCPUStrategy(start_method="fork"), "16-mixed", 1)
+            assert trainer.precision == "16-mixed"
+        else:
+            with pytest.raises(ValueError, match="fp16.*not supported.*bf16-mixed"):
+                _trainer(tmp_path, DeepSpeedCPUStrategy(start_method="fork"), "16-mixed", 1)
 
-    if get_accelerator().is_fp16_supported():
-        pytest.skip("this CPU's DeepSpeed accelerator supports fp16")
-    with pytest.raises(ValueError, match="fp16.*not supported.*bf16-mixed"):
-        _trainer(tmp_path, DeepSpeedCPUStrategy(start_method="fork"), "16-mixed", 1)
+
+@pytest.mark.timeout(300)
+def test_fp16_on_this_machine_trains_or_is_refused_as_its_accelerator_reports(tmp_path):
+    # The real accelerator: where it reports fp16 (oneDNN's fp16 kernels on this CPU), ZeRO-2 fp16 with dynamic loss
+    # scaling trains; elsewhere the Trainer refuses it up front, naming bf16-mixed. A small initial loss scale
+    # (2^4), so that overflow-skipped steps do not use up the few steps.
+    strategy = DeepSpeedCPUStrategy(stage=2, start_method="fork", initial_scale_power=4)
+    if not deepspeed_runs_fp16():
+        with pytest.raises(ValueError, match="fp16.*not supported.*bf16-mixed"):
+            _trainer(tmp_path, strategy, "16-mixed", 4)
+        return
+    torch.manual_seed(0)
+    model = TinyModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, strategy, "16-mixed", 4)
+    trainer.fit(model)
+    assert trainer.state.finished
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "nothing trained"

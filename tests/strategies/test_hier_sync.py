@@ -10,7 +10,7 @@ import torch
 from _models import RecordSteps, TinyModel, ValidationProbeModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_syncasync.callbacks import SyncMonitor
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
@@ -241,3 +241,48 @@ def test_manual_optimisation_with_two_optimizers_and_clipping(tmp_path):
     for r in res[1:]:
         torch.testing.assert_close(r["final"], res[0]["final"])
     assert not torch.allclose(res[0]["final"], res[0]["steps"][0])
+
+
+@pytest.mark.timeout(120)
+def test_one_node_says_it_is_plain_ddp_and_names_the_virtual_nodes(tmp_path):
+    # One process in this process, so the notice is seen here (forked ranks' warnings are not).
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=HierSyncStrategy(), max_steps=1, logger=False,
+                      default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"one node, so this run is plain DDP.*node_size.*hier_sync_virtual") as seen:
+        trainer.fit(TinyModel())
+    assert len([w for w in seen if "plain DDP" in str(w.message)]) == 1  # one line, not one per step
+
+
+@pytest.mark.timeout(200)
+def test_virtual_nodes_from_the_registered_name(tmp_path):
+    import lightning_syncasync  # noqa: F401  (registers hier_sync_virtual)
+    from lightning_syncasync.callbacks.monitor import _topology_text
+
+    out = tmp_path / "virtual"
+    out.mkdir()
+    # The registered name's settings, forked (the name's popen launcher would re-run pytest in the child; that the
+    # name itself builds this strategy is tested in test_registry.py).
+    params = StrategyRegistry["hier_sync_virtual"]["init_params"]
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=HierSyncStrategy(**params, start_method="fork"), max_steps=4,
+        logger=False, default_root_dir=out,
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False)],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(TinyModel())
+    summary = json.loads((out / "summary.json").read_text())
+    # 2 ranks on one machine as 2 virtual nodes of 1: the cross-node average runs, and a one-rank node's gradient
+    # "all-reduce" moves no byte.
+    assert (summary["num_nodes"], summary["node_size"], summary["machines"]) == (2, 1, 1)
+    assert _topology_text(summary) == "2 rank(s) as 2 virtual node(s) of 1 on 1 machine(s)"
+    assert all(r["bytes_intra_per_step"] == 0 and r["bytes_inter_per_step"] > 0 for r in summary["ranks"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"virtual_nodes": 0}, "virtual_nodes must be an integer >= 1"), ({"virtual_nodes": 2, "node_size": 1}, "both")],
+)
+def test_bad_virtual_nodes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HierSyncStrategy(**kwargs)

@@ -16,12 +16,15 @@ from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
 
 class SaveParams(Callback):
-    """Each rank writes its final parameters, so the test can compare ranks (spawn returns only rank 0's)."""
+    """Each rank writes its parameters after its last step, so the test can compare ranks (spawn returns only rank
+    0's): after the local SGD averaging of that step and before fit's final merge of the replicas."""
 
     def __init__(self, out: str) -> None:
         self.out = out
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step < trainer.max_steps:
+            return
         flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
         torch.save(flat, Path(self.out) / f"rank{trainer.global_rank}.pt")
 

@@ -7,7 +7,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_syncasync
-from lightning_syncasync.strategies import STRATEGIES, StrategyEntry, register_strategies
+from lightning_syncasync import strategies
+from lightning_syncasync.strategies import (
+    STRATEGIES,
+    StrategyEntry,
+    check_strategy_name,
+    pack_strategy_names,
+    register_strategies,
+)
 
 
 class _ProbeStrategy(DDPStrategy):
@@ -55,3 +62,48 @@ def test_a_name_owned_by_someone_else_is_an_error(clean_registry):
 def test_unknown_strategy_name_fails_before_training():
     with pytest.raises(ValueError, match="hier_sink"):
         Trainer(strategy="hier_sink", accelerator="cpu", devices=1, logger=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "params"),
+    [
+        ("ddp_measured", "MeasuredDDPStrategy", {}),
+        ("ddp_measured_spawn", "MeasuredDDPStrategy", {"_start_method": "spawn"}),
+        ("hier_sync_virtual", "HierSyncStrategy", {"virtual_nodes": 2, "node_size": None}),
+        ("hier_sync_virtual_spawn", "HierSyncStrategy", {"virtual_nodes": 2, "_start_method": "spawn"}),
+    ],
+)
+def test_names_a_python_user_reaches(name, cls, params):
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is getattr(strategies, cls)
+    assert {k: getattr(trainer.strategy, k) for k in params} == params
+
+
+def test_every_strategy_class_is_exported_from_the_strategies_package():
+    for entry in STRATEGIES:
+        module, _, name = entry.class_path.rpartition(".")
+        assert getattr(strategies, name) is getattr(importlib.import_module(module), name), entry.class_path
+        assert name in strategies.__all__
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("hier_synk", "hier_sync"), ("ddp_measure", "ddp_measured"), ("asnyc_ssp", "async_ssp")]
+)
+def test_a_misspelt_name_gets_a_suggestion_and_the_package_names(typo, meant):
+    with pytest.raises(ValueError) as err:
+        check_strategy_name(typo)
+    message = str(err.value)
+    assert f"strategy={typo!r}" in message and f"did you mean {meant!r}?" in message
+    assert all(n in message for n in pack_strategy_names()) and "ddp_spawn" in message
+    assert check_strategy_name(meant) == meant and check_strategy_name("ddp") == "ddp"
+
+
+def test_the_check_registers_the_names_a_forgotten_import_left_out():
+    # As if `import lightning_syncasync` had been forgotten: the names are gone from Lightning's registry.
+    saved = {e.name: StrategyRegistry.pop(e.name) for e in STRATEGIES}
+    try:
+        assert check_strategy_name("hier_sync", setting="trainer.strategy") == "hier_sync"
+        assert all(e.name in StrategyRegistry for e in STRATEGIES)
+    finally:
+        for name, value in saved.items():
+            StrategyRegistry[name] = value

@@ -68,6 +68,50 @@ def test_bad_input_is_rejected_before_running(tmp_path, args, message):
     assert message in proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_spawn_contender_is_refused_before_anything_runs(tmp_path):
+    # The emulator starts one process per rank; a _spawn strategy would start its own again (gloo EADDRINUSE).
+    args = ["--scenario", "smoke", "--strategies", "ddp,hier_sync_spawn", "--out", str(tmp_path)]
+    proc = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "contender 'hier_sync_spawn'" in proc.stderr and "trainer.strategy='hier_sync_spawn'" in proc.stderr
+    assert "HINT: use 'hier_sync' (the emulator starts one process per rank)" in proc.stderr
+    assert not (tmp_path / "smoke").exists()  # not even ddp or the ideal run started
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("overrides", "setting", "fix"),
+    [
+        (("~strategy", "trainer.strategy=ddp_notebook"), "trainer.strategy='ddp_notebook'", "use 'ddp'"),
+        (("~strategy", "trainer.strategy=hier_sync_virtual_spawn"), "start_method='spawn'", "use 'hier_sync_virtual'"),
+        (("strategy=hier_sync", "strategy.start_method=fork"), "strategy.start_method='fork'", "use 'hier_sync' with"),
+        (("strategy=ddp_spawn",), "strategy.start_method='spawn'", "use 'ddp' with strategy.start_method=popen"),
+        # A user's own strategy config, found through hydra.searchpath as in the report.
+        (("hydra.searchpath=[file://{conf}]", "strategy=my_spawn"), "strategy.start_method='spawn'", "use 'async_ssp'"),
+    ],
+)
+def test_contenders_that_start_their_own_processes_are_refused(tmp_path, overrides, setting, fix):
+    from lightning_syncasync.bench.runner import Contender, check_launcher
+
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "strategy" / "my_spawn.yaml").write_text(
+        "# @package strategy\ndefaults:\n  - async_ssp\n  - _self_\nstart_method: spawn\n"
+    )
+    contender = Contender("mine", tuple(o.format(conf=tmp_path) for o in overrides))
+    with pytest.raises(ValueError, match="contender 'mine'") as err:
+        check_launcher(contender, list(contender.overrides))
+    assert setting in str(err.value) and f"HINT: {fix}" in str(err.value)
+    assert "(the emulator starts one process per rank)" in str(err.value)
+
+
+def test_contenders_started_from_outside_pass_the_launcher_check(tmp_path):
+    from lightning_syncasync.bench.runner import BenchRunner
+    from lightning_syncasync.bench.scenarios import SCENARIOS
+
+    BenchRunner(tmp_path).check(SCENARIOS["smoke"], resolve_contenders("baselines,hier_sync,async_ssp,auto_sync"))
+
+
 def test_vary_seed_gives_each_repeat_its_own_training_seed_and_the_same_to_every_contender(tmp_path):
     from lightning_syncasync.bench.runner import BenchRunner
     from lightning_syncasync.bench.scenarios import SCENARIOS

@@ -67,9 +67,31 @@ def test_defaults_parse_in_process():
 
 
 @pytest.mark.parametrize(
+    ("args", "tty", "bar"),
+    [([], False, False), ([], True, True), (["--trainer.enable_progress_bar=true"], False, True)],
+)
+def test_progress_bar_only_on_a_terminal_unless_set(monkeypatch, args, tty, bar):
+    import io
+
+    class Stdout(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    cli = build_cli(args=["--trainer.logger=false", "--trainer.enable_checkpointing=false", *args], run=False)
+    assert (cli.trainer.progress_bar_callback is not None) is bar
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["fit", "--trainer.strategy=hier_sink", "--trainer.max_epochs=1"], "hier_sink"),
+        # A typo gets a suggestion and the package's names, as a parser error before anything is built.
+        (
+            ["fit", "--trainer.strategy=hier_synk"],
+            "error: --trainer.strategy='hier_synk' is not a registered strategy "
+            "name; HINT: did you mean 'hier_sync'? lightning_syncasync's names: "
+            "hier_sync, hier_sync_spawn",
+        ),
         (["fit", "--model.init_args.hiden=3"], "hiden"),
         (["fit", "--trainer.max_epochs=ten"], "max_epochs"),
     ],
@@ -118,3 +140,17 @@ def test_our_strategies_from_the_command_line(tmp_path, strategy_args, modes):
 
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["ranks"][0]["steps"] == 6 and summary["mode"] in modes
+
+
+@pytest.mark.timeout(120)
+def test_without_the_cli_extra_it_names_the_extra_and_prints_no_traceback(tmp_path):
+    # As on a machine without jsonargparse: its import fails.
+    code = (
+        "import sys; sys.modules['jsonargparse'] = None; sys.argv = ['syncasync-cli', 'fit']; "
+        "from lightning_syncasync.cli import main; main()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1
+    assert "syncasync-cli: error: syncasync-cli needs Lightning's CLI parser" in proc.stderr
+    assert 'HINT: pip install "lightning-syncasync[cli]"' in proc.stderr
+    assert "Traceback" not in proc.stderr

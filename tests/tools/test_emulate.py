@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.emulate import EmulatedCluster, EmulatedNetwork, EmulationUnavailable
 from lightning_syncasync.emulate import network as network_mod
 from lightning_syncasync.emulate.cgroups import cgroup_cpu_root
@@ -72,7 +73,7 @@ def test_ranks_start_like_torchrun_inside_their_node_and_everything_is_removed(t
     report = json.loads((tmp_path / "emulation.json").read_text())
     assert report["cpu_mode"] == "cgroup" and report["exit_codes"] == [0, 0, 0, 0]
     shares = report["cores_per_rank"]
-    assert shares[3] == pytest.approx(shares[0] / 2) and sum(shares) <= os.cpu_count()
+    assert shares[3] == pytest.approx(shares[0] / 2) and sum(shares) <= usable_cores()
     assert len({tuple(e["cgroup"]) for e in envs}) == 4
     assert _leftovers() == (before_ns, before_cg)
 

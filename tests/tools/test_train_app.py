@@ -16,18 +16,65 @@ def _train(tmp_path: Path, *overrides: str, multirun: bool = False, timeout: int
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
 
 
+def _ends_with_the_summary(proc: subprocess.CompletedProcess, bar: bool) -> None:
+    """Captured output is not a terminal: no progress bar unless asked for (issue 23 item 8), and an asked-for bar
+    (rich) must not draw its final frame below the table either."""
+    output = proc.stdout + proc.stderr
+    assert ("Epoch 0" in proc.stdout) is bar and ("Epoch 0" in output) is bar, output[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    # The last table printed is the summary (its header has the wait column), its rows, then only the app's log line.
+    top = max(i for i, line in enumerate(lines) if line.startswith("┏"))
+    bottom = max(i for i, line in enumerate(lines) if line.startswith("└"))
+    assert top < bottom and "wait ms/step" in lines[top + 1], proc.stdout[-3000:]
+    assert all(line.startswith(("┃", "┡", "│")) for line in lines[top + 1 : bottom]), proc.stdout[-3000:]
+    assert len(lines) == bottom + 2 and "done: val_acc=" in lines[-1], proc.stdout[-3000:]
+
+
 @pytest.mark.timeout(300)
-def test_default_job_reaches_95_percent_and_reports_ddp_bytes_and_wait(tmp_path):
-    proc = _train(tmp_path, "trainer.enable_progress_bar=false")
+def test_default_job_reaches_95_percent_reports_ddp_bytes_and_wait_and_ends_with_the_summary(tmp_path):
+    proc = _train(tmp_path)  # as the README's first command runs it, into a pipe
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2
     assert results["metrics"]["val_acc"] >= 0.95
     summary = results["sync_summary"]
     assert summary["bytes_per_step"] > 0 and summary["wait_s_per_step"] > 0
-    # The summary table is printed at the end of fit.
-    assert "syncasync summary" in proc.stdout and "wait ms/step" in proc.stdout
+    assert "syncasync summary" in proc.stdout
+    _ends_with_the_summary(proc, bar=False)
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_an_asked_for_bar_in_a_log_file_ends_before_the_summary(tmp_path):
+    proc = _train(tmp_path, "trainer.max_epochs=1", "trainer.enable_progress_bar=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _ends_with_the_summary(proc, bar=True)
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "callbacks", "tty", "expected"),
+    [
+        ({}, [], False, False),  # a log file or pipe: no bar
+        ({"enable_progress_bar": None}, [], True, True),  # a terminal: a bar
+        ({"enable_progress_bar": True}, [], False, True),  # the user's choice wins
+        ({"enable_progress_bar": False}, [], True, False),
+        ({}, ["rich"], False, True),  # a configured bar callback asks for a bar (Lightning refuses False beside it)
+        ({"barebones": True}, [], True, None),  # barebones refuses any bar: Lightning decides
+    ],
+)
+def test_progress_bar_setting_resolves_to_a_bar_only_on_a_terminal(trainer_kwargs, callbacks, tty, expected):
+    import io
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lightning_syncasync._progress_bar import resolve_enable_progress_bar
+
+    class Stream(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    objects = [RichProgressBar() for _ in callbacks]
+    assert resolve_enable_progress_bar(trainer_kwargs, objects, stream=Stream()) is expected
 
 
 @pytest.mark.timeout(400)
