@@ -145,6 +145,8 @@ class DelayedAverager:
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.recorder = recorder
         self.compressor = compressor if compressor is not None and compressor.method != "none" else None
+        if self.compressor is not None and cross_group is not None:
+            self.compressor.check_backend(cross_group)  # before any round: a missing collective fails here, named
         self.timeout_s = timeout_s
         self.warmup_steps = warmup_steps
         self._thread: CommThread | None = None
@@ -288,7 +290,9 @@ class DelayedAverager:
         if self.compressor is None or exact:
             buffer = snapshot.clone()
             if self.compressor is not None:
-                residual = self.compressor.residuals.pop("shard", None)
+                # Everything compression held back (this rank's residual and, in the two-phase layout, the server
+                # residual of the part it owns): an exact round flushes it, so a checkpoint holds nothing back.
+                residual = self.compressor.pop_residual("shard", buffer.numel(), self.cross_group)
                 if residual is not None:
                     buffer += residual
             work: Any = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)

@@ -52,7 +52,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 # Exchanges a warm-up may use (exact enough to measure the gradients' scale), and the chunk-scaled methods that
 # frozen_rms rescales.
 WARMUP_METHODS = ("none", "fp16", "bf16", "int8")
-RESCALED_METHODS = ("int8", "sign")
+RESCALED_METHODS = ("int8", "int4", "sign")
 
 
 class CompressedAllReduce:
@@ -72,7 +72,8 @@ class CompressedAllReduce:
         warmup_compressor: the warm-up's exchange (default ``Compressor("none")``: fp32). ``int8`` keeps the
             warm-up's bytes low; its residuals carry over into the compressed phase.
         frozen_rms: scale each coordinate by its RMS measured over the warm-up's averaged gradients before
-            compressing (module docstring). Needs ``warmup_steps >= 1`` and a chunk-scaled method (``int8``, ``sign``).
+            compressing (module docstring). Needs ``warmup_steps >= 1`` and a chunk-scaled method (``int8``,
+            ``int4``, ``sign``).
 
     Example::
 
@@ -113,6 +114,7 @@ class CompressedAllReduce:
                 f"{warmup_steps} and {compressor.method!r}; HINT: compression='sign' with compression_warmup_steps=20"
             )
         self.compressor = compressor
+        compressor.check_backend(cross_group if node_group is not None else process_group)
         self.warmup_steps = warmup_steps
         self.steps = 0  # optimizer steps whose buckets have all been handed to the thread (the warm-up's clock)
         self._warmup = warmup_compressor or Compressor("none")  # the warm-up's exchange
@@ -131,6 +133,12 @@ class CompressedAllReduce:
         self.residuals: dict[int, torch.Tensor] = {}  # parameter index -> what compression held back
         self._index: dict[int, int] = {}
         self._thread: CommThread | None = None
+        # Two-phase exchanges keep a server residual per bucket key inside the compressor. Where each key's elements
+        # are, to fold a residual whose key is no longer used (DDP rebuilt its buckets, the warm-up ended) into the
+        # per-parameter residuals: ("main"|"warmup", key) -> [pieces (index, numel), numel exchanged, scaled by the
+        # frozen RMS]. The same on every rank (a checkpoint gathers it); saved in checkpoints.
+        self._layouts: dict[tuple[str, str], list[Any]] = {}
+        self._used: set[tuple[str, str]] = set()
 
     def register(self, ddp_module: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register on a DDP module (one comm hook per module, before the first backward)."""
@@ -147,6 +155,7 @@ class CompressedAllReduce:
         comp = self.compressor.state_dict()
         residuals = {k: v.clone() for k, v in self.residuals.items()}
         state = {"residuals": residuals, "compressor": comp, "steps": self.steps, "warmup": self._warmup.state_dict()}
+        state["layouts"] = [[which, key, layout] for (which, key), layout in self._layouts.items()]
         if self.frozen_rms:
             state["square_sums"] = {k: v.clone() for k, v in self._square_sums.items()}
             state["square_counts"] = dict(self._square_counts)
@@ -157,6 +166,7 @@ class CompressedAllReduce:
         self.compressor.load_state_dict(state["compressor"])
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.steps = int(state.get("steps", 0))
+        self._layouts = {(which, key): layout for which, key, layout in state.get("layouts", [])}
         if "warmup" in state:
             self._warmup.load_state_dict(state["warmup"])
         if self.frozen_rms:
@@ -197,11 +207,16 @@ class CompressedAllReduce:
         return rms
 
     def _hierarchical(
-        self, sent: torch.Tensor, compressor: Compressor | None = None
+        self,
+        sent: torch.Tensor,
+        compressor: Compressor | None = None,
+        key: str = "",
+        pieces: Any = (),
+        scaled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mean of ``sent`` over the world: node sum by reduce-scatter, exchange of this rank's shard across nodes
-        through ``compressor`` (default: this hook's), all-gather inside the node. Returns ``(mean, what to add to
-        this rank's next input)``."""
+        through ``compressor`` (default: this hook's; two-phase across nodes only), all-gather inside the node.
+        Returns ``(mean, what to add to this rank's next input)``."""
         compressor = compressor or self.compressor
         k = dist.get_world_size(self.node_group)
         numel = sent.numel()
@@ -209,7 +224,9 @@ class CompressedAllReduce:
         shard = torch.empty(padded.numel() // k, dtype=padded.dtype)
         reduce_scatter_flat(shard, padded, self.node_group)
         shard /= k  # the node's mean: the cross-node mean of node means is the world's mean (equal node sizes)
-        mean_shard, own, inter_bytes = compressor.exchange(shard, self.cross_group)
+        rank = dist.get_rank(self.node_group)
+        self._track(compressor, key, pieces, shard.numel(), scaled)
+        mean_shard, own, inter_bytes = compressor.exchange(shard, self.cross_group, key)
         mean = torch.empty_like(padded)
         all_gather_flat(mean, mean_shard, self.node_group)
         # Bytes of the tensors handed to each collective, by the link they cross.
@@ -220,9 +237,47 @@ class CompressedAllReduce:
         # What compression dropped from the node's mean, in units of one rank's input (the node sums k inputs and
         # divides by k), at this rank's shard; zero elsewhere (other local ranks hold theirs).
         dropped = torch.zeros_like(padded)
-        rank = dist.get_rank(self.node_group)
         dropped[rank * shard.numel() : (rank + 1) * shard.numel()] = (shard - own) * k
         return mean[:numel], dropped[:numel]
+
+    def _track(self, compressor: Compressor, key: str, pieces: Any, numel: int, scaled: bool) -> None:
+        """Note that ``key`` was exchanged this step, and where its elements lie in the bucket's layout."""
+        group = self.cross_group if self.hierarchical else self.process_group
+        if compressor.layout(dist.get_world_size(group)) != "two_phase":
+            return  # no server residual to place
+        which = "warmup" if compressor is self._warmup else "main"
+        self._layouts[(which, key)] = [[(i, n) for i, _, n, _ in pieces], numel, scaled]
+        self._used.add((which, key))
+
+    def _fold_unused(self) -> None:
+        """At the end of a step: a server residual whose key this step did not use (DDP rebuilt its buckets after
+        the first step or after a resume; the warm-up's exchange ended) would never be sent again. Add it, in units
+        of one rank's input, to the residuals of the parameters it belongs to, so it is delayed, never lost."""
+        group = self.cross_group if self.hierarchical else self.process_group
+        # Hierarchical: the exchanged part is this local rank's node shard, and a residual folded into an input
+        # weighs the node size k (the node mean) times the cross-node group's size (which pop_residual applies).
+        k = dist.get_world_size(self.node_group) if self.hierarchical else 1
+        offset_of = dist.get_rank(self.node_group) if self.hierarchical else 0
+        for which, compressor in (("main", self.compressor), ("warmup", self._warmup)):
+            for key in [k for k in compressor.server_residuals if (which, k) not in self._used]:
+                layout = self._layouts.pop((which, key), None)
+                if layout is None:
+                    continue  # unreachable: every residual's layout is tracked (and checkpointed) with it
+                pieces, numel, scaled = layout
+                held = compressor.pop_residual(key, numel, group)
+                if held is None:
+                    continue
+                total, offset = sum(n for _, n in pieces), offset_of * numel
+                bucket = torch.zeros(max(total, offset + numel))
+                bucket[offset : offset + numel] = held * k
+                pos = 0
+                for i, n in pieces:
+                    piece = bucket[pos : pos + n]
+                    if scaled:
+                        piece = piece * self._frozen(i, n)  # residuals stay in gradient units
+                    self.residuals[i] = self.residuals[i] + piece if i in self.residuals else piece.clone()
+                    pos += n
+        self._used = set()
 
     @staticmethod
     def hook(state: "CompressedAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -240,7 +295,8 @@ class CompressedAllReduce:
         warming = state.steps < state.warmup_steps
         compressor = state._warmup if warming else state.compressor
         scaled = state.frozen_rms and not warming
-        if bucket.is_last():
+        last = bucket.is_last()
+        if last:
             state.steps += 1
         if state._thread is None:
             state._thread = CommThread("syncasync-ddp-compression")
@@ -257,10 +313,11 @@ class CompressedAllReduce:
             rms = torch.cat([state._frozen(i, n) for i, _, n, _ in pieces]) if scaled else None
             if rms is not None:
                 sent = sent / rms  # every element near unit size, so the chunk scale suits them all
+            key = ",".join(str(i) for i, *_ in pieces)
             if state.hierarchical:
-                mean, dropped = state._hierarchical(sent, compressor)
+                mean, dropped = state._hierarchical(sent, compressor, key, pieces, scaled)
             else:
-                key = ",".join(str(i) for i, *_ in pieces)
+                state._track(compressor, key, pieces, sent.numel(), scaled)
                 mean, own, nbytes = compressor.exchange(sent, state.process_group, key, [sh for *_, sh in pieces])
                 state.recorder.record_blocking(nbytes, state.scope, 0.0)
                 dropped = sent - own if compressor.error_feedback else None
@@ -276,6 +333,8 @@ class CompressedAllReduce:
                 if warming and state.frozen_rms:
                     state._observe(i, mean[pos : pos + n])
                 pos += n
+            if last:
+                state._fold_unused()
             state.recorder.record_completion(at=time.perf_counter())
             return out.to(buffer.dtype)
 

@@ -10,12 +10,32 @@ Methods (``bytes per fp32 element on the wire`` in brackets):
 * ``none`` [4]: plain fp32 all-reduce.
 * ``fp16`` / ``bf16`` [2]: cast, all-reduce in half precision (pre-divided by the group size so fp16 cannot
   overflow, as torch's ``fp16_compress_hook``), cast back.
-* ``int8`` [~1.02]: per-chunk absmax scale, nearest or stochastic rounding. Quantised values with different scales
-  cannot be summed by an all-reduce, so each rank's payload (values and scales packed in one byte tensor) is
-  all-gathered and every rank decodes and averages them.
-* ``sign`` [~0.13]: 1 bit per element (packed 8 to a byte) and a per-chunk scale, the chunk's mean absolute value
-  (scaled sign of EF-SignSGD: Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019); exchanged by
-  all-gather since signs cannot be summed.
+* ``int8`` [~1.02]: per-chunk absmax scale, nearest or stochastic rounding.
+* ``int4`` [~0.52]: the same with 4 bits (values -7..7, two to a byte): the brief's "4-bit quantisation".
+* ``sign`` [~0.14]: 1 bit per element (packed 8 to a byte) and a per-chunk scale, the chunk's mean absolute value
+  (scaled sign of EF-SignSGD: Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019).
+
+Quantised values with different scales cannot be summed by an all-reduce. The chunked methods (``int8``, ``int4``,
+``sign``) therefore travel by one of two ``collective`` layouts:
+
+* ``"two_phase"``: a compressed all-reduce in two phases, the shape of DeepSpeed's 1-bit Adam
+  all-reduce and Bagua's ByteGrad. The tensor is cut into one shard per rank; every rank encodes each shard and an
+  ``all_to_all`` sends shard ``j`` to rank ``j``, which decodes the ``world`` copies, averages them, re-encodes the
+  average with a second error-feedback residual of its own (the "server" residual) and an all-gather hands the
+  averaged shards to everyone. A rank sends and receives about twice the compressed size of the tensor, whatever
+  the number of ranks, and every rank decodes the same bytes, so all ranks hold a bitwise-identical mean.
+* ``"allgather"``: every rank's whole compressed tensor is all-gathered and every rank decodes and averages all of
+  them. A rank receives ``world - 1`` compressed copies, so its traffic grows linearly with the ranks: past a
+  handful of nodes compression then costs more than it saves (the cost model's simulation). Kept as the reference
+  and for comparisons.
+
+* ``"auto"`` (the default): ``allgather`` on a group of 2 ranks, where both layouts move the same bytes (each rank
+  sends one compressed tensor) and all-gather quantises once instead of twice; ``two_phase`` from 3 ranks up.
+
+Padding to ``world * chunk_size`` elements lets the two-phase layout split any tensor over any number of ranks.
+The bytes returned are those handed to the collectives (as for every method): the whole payload plus one shard
+for two-phase; what crosses the wire is about twice the payload for two-phase and ``world - 1`` payloads for
+all-gather (``last_wire``).
 * ``powersgd``: rank-``r`` approximation ``P Q^T`` of each matrix, two all-reduces of the small factors, warm-started
   ``Q`` (Vogels et al., "PowerSGD", NeurIPS 2019). One-dimensional tensors (biases, norms) go uncompressed, as in
   torch's ``powerSGD_hook``. A flat tensor without shapes is viewed as a matrix with ``matrix_cols`` columns.
@@ -38,9 +58,15 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import all_gather_flat
 
-Method = Literal["none", "fp16", "bf16", "int8", "sign", "powersgd"]
-METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "sign", "powersgd")
+Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]
+METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "sign", "powersgd")
+# Methods whose payloads are chunk-scaled codes (not summable by an all-reduce): they use `collective`.
+CHUNKED: tuple[str, ...] = ("int8", "int4", "sign")
 Rounding = Literal["nearest", "stochastic"]
+Collective = Literal["auto", "two_phase", "allgather"]
+COLLECTIVES: tuple[str, ...] = ("auto", "two_phase", "allgather")
+# Backends known to implement all_to_all_single (the two-phase layout's first phase).
+ALL_TO_ALL_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi")
 
 # The bit weights of one packed byte, most significant first.
 _BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -56,11 +82,16 @@ class Compressor:
     """Compressed mean over a process group, with error feedback and exact byte accounting.
 
     Args:
-        method: one of ``none``, ``fp16``, ``bf16``, ``int8``, ``sign``, ``powersgd`` (see the module docstring).
-        error_feedback: keep what compression drops and add it to the next tensor of the same key. Ignored for
-            ``none``; on by default for the others (``sign`` without it does not converge in general).
-        chunk_size: elements per scale for ``int8`` and ``sign``.
-        rounding: ``int8`` rounding, ``"nearest"`` or ``"stochastic"`` (unbiased).
+        method: one of ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``, ``powersgd`` (module docstring).
+        error_feedback: keep what compression drops and add it to the next tensor of the same key (and, in the
+            two-phase layout, what the re-encoding of each averaged shard drops, on the rank that owns the shard).
+            Ignored for ``none``; on by default for the others (``sign`` without it does not converge in general).
+        chunk_size: elements per scale for ``int8``, ``int4`` and ``sign`` (a positive multiple of 8: ``sign``
+            packs 8 elements to a byte).
+        rounding: ``int8``/``int4`` rounding, ``"nearest"`` or ``"stochastic"`` (unbiased).
+        collective: how ``int8``, ``int4`` and ``sign`` travel: ``"two_phase"`` (per-rank traffic independent of the
+            number of ranks), ``"allgather"`` (every rank receives every other rank's payload) or ``"auto"``
+            (all-gather on 2 ranks, two-phase from 3); module docstring.
         rank: ``powersgd`` rank.
         matrix_cols: ``powersgd`` only: columns of the matrix a tensor without shapes is viewed as.
         seed: seeds stochastic rounding (give each rank its own) and, with ``factor_seed``, nothing else.
@@ -82,12 +113,18 @@ class Compressor:
         matrix_cols: int = 256,
         seed: int = 0,
         factor_seed: int = 0,
+        collective: Collective = "auto",
     ) -> None:
         check_method(method)
-        if chunk_size < 8 or chunk_size % 8:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 8 or chunk_size % 8:
             raise ValueError(
-                f"chunk_size must be a positive multiple of 8, got {chunk_size}; HINT: the default 256 adds about 2% "
-                "of scales to the payload"
+                f"chunk_size must be a positive multiple of 8 (sign packs 8 elements to a byte, int4 2), got "
+                f"{chunk_size!r}; HINT: the default 256 adds about 2% of scales to the payload"
+            )
+        if collective not in COLLECTIVES:
+            raise ValueError(
+                f"collective must be one of {COLLECTIVES}, got {collective!r}; HINT: 'auto' (the default) keeps each "
+                "rank's traffic independent of the number of ranks"
             )
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(
@@ -106,7 +143,12 @@ class Compressor:
         self.matrix_cols = matrix_cols
         self.seed = seed
         self.factor_seed = factor_seed
+        self.collective = collective
         self.residuals: dict[str, torch.Tensor] = {}
+        # Two-phase layout: per key, what re-encoding this rank's averaged shard dropped (in units of the mean).
+        self.server_residuals: dict[str, torch.Tensor] = {}
+        # Bytes of the last exchange on the wire, under a ring implementation of each collective: (sent, received).
+        self.last_wire: tuple[int, int] = (0, 0)
         self.factors: dict[str, torch.Tensor] = {}  # powersgd's warm-started Q per (key, tensor index)
         # Random draws come from (seed, calls): a counter that every rank advances in lockstep, so the state a
         # checkpoint needs is one integer, not a generator per rank. Give each rank its own seed for independent
@@ -114,7 +156,35 @@ class Compressor:
         self.calls = 0
 
     def __repr__(self) -> str:
-        return f"Compressor({self.method!r}, error_feedback={self.error_feedback})"
+        collective = f", collective={self.collective!r}" if self.method in CHUNKED else ""
+        return f"Compressor({self.method!r}, error_feedback={self.error_feedback}{collective})"
+
+    def check_backend(self, group: dist.ProcessGroup | None = None) -> None:
+        """Raise a ``ValueError`` with the fix when ``group``'s backend lacks a collective this method needs (the
+        two-phase layout's ``all_to_all``). Strategies call it at setup, before the first exchange."""
+        if (
+            not dist.is_available()
+            or not dist.is_initialized()
+            or self.layout(dist.get_world_size(group)) != "two_phase"
+        ):
+            return
+        backend = str(dist.get_backend(group))
+        names = [part.rpartition(":")[2] for part in backend.split(",")]
+        if not any(name in ALL_TO_ALL_BACKENDS for name in names):
+            raise ValueError(
+                f"compression={self.method!r} with collective='two_phase' needs all_to_all, which the {backend!r} "
+                f"backend does not provide (known to: {', '.join(ALL_TO_ALL_BACKENDS)}); HINT: "
+                "compression_options={'collective': 'allgather'} uses all-gather only"
+            )
+
+    def layout(self, world: int) -> str | None:
+        """The layout an exchange over ``world`` ranks uses: ``"two_phase"`` or ``"allgather"`` for the chunked
+        methods, ``None`` for the others (they all-reduce)."""
+        if self.method not in CHUNKED:
+            return None
+        if self.collective == "auto":
+            return "allgather" if world <= 2 else "two_phase"
+        return self.collective
 
     # -- the collective ---------------------------------------------------------------------------------------
 
@@ -163,20 +233,44 @@ class Compressor:
         if self.method == "none":
             out = flat.clone()
             dist.all_reduce(out, group=group)
+            self.last_wire = _wire("all_reduce", out.numel() * out.element_size(), world)
             return out / world, flat, out.numel() * out.element_size()
         if self.method in ("fp16", "bf16"):
             half = (flat / world).to(torch.float16 if self.method == "fp16" else torch.bfloat16)
             own = half.float() * world
             dist.all_reduce(half, group=group)
+            self.last_wire = _wire("all_reduce", half.numel() * half.element_size(), world)
             return half.float(), own, half.numel() * half.element_size()
-        if self.method in ("int8", "sign"):
+        if self.method in CHUNKED:
+            if self.layout(world) == "two_phase":
+                return self._two_phase(flat, group, str(key), world)
             payload, own = self._encode(flat)
             gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
             all_gather_flat(gathered, payload, group)
             mean = sum(self._decode(p, flat.numel()) for p in gathered.chunk(world)) / world
+            self.last_wire = _wire("all_gather", payload.numel(), world)
             return mean, own, payload.numel() * payload.element_size()  # type: ignore[return-value]
         mean, nbytes = self._powersgd(flat, group, str(key), world, shapes)
+        self.last_wire = _wire("all_reduce", nbytes, world)  # its all-reduces, summed
         return mean, mean, nbytes
+
+    def pop_residual(self, key: str | int, numel: int, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+        """Take everything held back under ``key`` out of the compressor, as one tensor to add to this rank's next
+        input of ``numel`` elements when that input is all-reduced exactly (a checkpoint's consistent cut, which
+        flushes every residual): this rank's own residual, plus ``world`` times the server residual of the shard
+        it owns, at that shard (the mean divides the sum by ``world``). ``None`` when nothing is held."""
+        key = str(key)
+        own = self.residuals.pop(key, None)
+        server = self.server_residuals.pop(key, None)
+        if own is None and server is None:
+            return None
+        total = own.clone() if own is not None else torch.zeros(numel)
+        if server is not None:
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            lo = min(rank * server.numel(), numel)
+            hi = min(lo + server.numel(), numel)
+            total[lo:hi] += world * server[: hi - lo]
+        return total
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -185,6 +279,7 @@ class Compressor:
         return {
             "method": self.method,
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "server_residuals": {k: v.clone() for k, v in self.server_residuals.items()},
             "factors": {k: v.clone() for k, v in self.factors.items()},
             "calls": self.calls,
         }
@@ -196,49 +291,106 @@ class Compressor:
                 "HINT: resume with the same compression setting"
             )
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.server_residuals = {k: v.clone() for k, v in state.get("server_residuals", {}).items()}
         self.factors = {k: v.clone() for k, v in state["factors"].items()}
         self.calls = int(state["calls"])
 
-    # -- int8 and sign: one packed byte tensor per rank ---------------------------------------------------------
+    # -- int8, int4 and sign: packed byte blocks -----------------------------------------------------------------
 
     def _chunks(self, flat: torch.Tensor) -> torch.Tensor:
         pad = -flat.numel() % self.chunk_size
         return torch.nn.functional.pad(flat, (0, pad)).view(-1, self.chunk_size)
 
     def _encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the byte payload and this rank's own decoded tensor (for the residual)."""
-        chunks = self._chunks(flat)
-        if self.method == "int8":
-            scale = chunks.abs().amax(dim=1, keepdim=True) / 127.0
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            x = chunks / safe
-            if self.rounding == "stochastic":
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls)
-                x = torch.floor(x + torch.rand(x.shape, generator=gen))
-            else:
-                x = torch.round(x)
-            q = x.clamp_(-127, 127).to(torch.int8)
-            own = (q.float() * scale).reshape(-1)[: flat.numel()]
-            payload = torch.cat([q.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)])
-        else:
-            scale = chunks.abs().mean(dim=1, keepdim=True)
-            positive = chunks >= 0
-            bits = (positive.view(-1, 8).to(torch.uint8) * _BITS).sum(dim=1, dtype=torch.uint8)
-            own = (torch.where(positive, 1.0, -1.0) * scale).reshape(-1)[: flat.numel()]
-            payload = torch.cat([bits, scale.reshape(-1).view(torch.uint8)])
-        return payload, own
+        """The byte payload of ``flat`` (one block, padded to whole chunks) and this rank's own decoded tensor."""
+        padded = self._chunks(flat).reshape(1, -1)
+        payload, own = self._encode_blocks(padded)
+        return payload.reshape(-1), own.reshape(-1)[: flat.numel()]
 
     def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        n_chunks = -(-numel // self.chunk_size)
-        n = n_chunks * self.chunk_size
+        n = -(-numel // self.chunk_size) * self.chunk_size
+        return self._decode_blocks(payload.view(1, -1), n).reshape(-1)[:numel]
+
+    def _rand(self, shape: torch.Size, stream: int) -> torch.Tensor:
+        # (seed, calls, stream): the two phases of one exchange draw from different streams.
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls + stream * 7_919_000_003)
+        return torch.rand(shape, generator=gen)
+
+    def _encode_blocks(self, blocks: torch.Tensor, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode each row of ``blocks`` (``[b, s]``, ``s`` a multiple of ``chunk_size``) on its own: ``(payload
+        [b, bytes per block], own decoded [b, s])``. A block is its codes followed by its chunks' fp32 scales, so a
+        row can be sent to one rank and decoded alone."""
+        b, s = blocks.shape
+        chunks = blocks.reshape(b, -1, self.chunk_size)
+        if self.method in ("int8", "int4"):
+            levels = 127.0 if self.method == "int8" else 7.0
+            scale = chunks.abs().amax(dim=2, keepdim=True) / levels
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            x = chunks / safe
+            x = torch.floor(x + self._rand(x.shape, stream)) if self.rounding == "stochastic" else torch.round(x)
+            q = x.clamp_(-levels, levels)
+            own = (q * scale).reshape(b, s)
+            if self.method == "int8":
+                codes = q.to(torch.int8).reshape(b, s).view(torch.uint8)
+            else:
+                # Two values per byte, offset to 1..15 (0 unused): low nibble first.
+                nibbles = (q + 8).to(torch.uint8).reshape(b, s // 2, 2)
+                codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        else:
+            scale = chunks.abs().mean(dim=2, keepdim=True)
+            positive = chunks >= 0
+            codes = (positive.reshape(b, -1, 8).to(torch.uint8) * _BITS).sum(dim=2, dtype=torch.uint8)
+            own = (torch.where(positive, 1.0, -1.0) * scale).reshape(b, s)
+        scales = scale.reshape(b, -1).contiguous().view(torch.uint8)
+        return torch.cat([codes.reshape(b, -1), scales], dim=1), own
+
+    def _decode_blocks(self, payload: torch.Tensor, s: int) -> torch.Tensor:
+        """The inverse of :meth:`_encode_blocks`: ``[b, bytes per block]`` -> ``[b, s]`` fp32."""
+        b = payload.shape[0]
+        n_chunks = s // self.chunk_size
+        code_bytes = {"int8": s, "int4": s // 2, "sign": s // 8}[self.method]
+        codes = payload[:, :code_bytes]
+        scale = payload[:, code_bytes:].contiguous().view(torch.float32).view(b, n_chunks, 1)
         if self.method == "int8":
-            q = payload[:n].view(torch.int8).float().view(n_chunks, self.chunk_size)
-            scale = payload[n:].view(torch.float32).view(n_chunks, 1)
-            return (q * scale).reshape(-1)[:numel]
-        bits = payload[: n // 8]
-        scale = payload[n // 8 :].view(torch.float32).view(n_chunks, 1)
-        positive = (bits.view(-1, 1) & _BITS).ne(0).view(n_chunks, self.chunk_size)
-        return (torch.where(positive, 1.0, -1.0) * scale).reshape(-1)[:numel]
+            q = codes.contiguous().view(torch.int8).float()
+        elif self.method == "int4":
+            q = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(b, s).float() - 8.0
+        else:
+            positive = (codes.reshape(-1, 1) & _BITS).ne(0)
+            q = torch.where(positive, 1.0, -1.0).reshape(b, s)
+        return (q.view(b, n_chunks, self.chunk_size) * scale).reshape(b, s)
+
+    def _two_phase(
+        self, flat: torch.Tensor, group: dist.ProcessGroup | None, key: str, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Compressed all-to-all of shards, average, re-encode (server error feedback), compressed all-gather."""
+        numel = flat.numel()
+        shard = -(-numel // (world * self.chunk_size)) * self.chunk_size  # whole chunks per rank's shard
+        blocks = torch.nn.functional.pad(flat, (0, world * shard - numel)).view(world, shard)
+        payload, own = self._encode_blocks(blocks)
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received.view(-1), payload.reshape(-1), group=group)
+        # This rank's shard from every rank, decoded and averaged in rank order: the same sum on any machine.
+        averaged = self._decode_blocks(received, shard).sum(dim=0) / world
+        if self.error_feedback:
+            held = self.server_residuals.get(key)
+            if held is not None:
+                if held.numel() != shard:
+                    raise ValueError(
+                        f"key {key!r} was exchanged in shards of {held.numel()} elements and now of {shard}: the "
+                        "tensor or the number of ranks changed; HINT: one key per tensor, and resume on as many ranks"
+                    )
+                averaged = averaged + held
+        mine, mine_own = self._encode_blocks(averaged.view(1, shard), stream=1)
+        if self.error_feedback:
+            self.server_residuals[key] = averaged - mine_own[0]
+        gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        all_gather_flat(gathered, mine.view(-1), group)
+        mean = self._decode_blocks(gathered.view(world, -1), shard).reshape(-1)[:numel]
+        sent_a2a, recv_a2a = _wire("all_to_all", payload.numel(), world)
+        sent_ag, recv_ag = _wire("all_gather", mine.numel(), world)
+        self.last_wire = (sent_a2a + sent_ag, recv_a2a + recv_ag)
+        return mean, own.reshape(-1)[:numel], payload.numel() + mine.numel()
 
     # -- powersgd -----------------------------------------------------------------------------------------------
 
@@ -332,3 +484,20 @@ def _check_tensor(tensor: torch.Tensor) -> None:
             f"compression needs a floating-point tensor, got {tensor.dtype}; HINT: non-float parameters and buffers "
             "are exchanged uncompressed by the strategies, do not pass them to a Compressor"
         )
+
+
+def _wire(kind: str, nbytes: int, world: int) -> tuple[int, int]:
+    """Bytes one rank sends and receives in a collective over ``world`` ranks, as ring (and pairwise all-to-all)
+    implementations move them: NCCL's and gloo's. ``nbytes`` is what the rank hands to the collective (its whole
+    input for an all-reduce or an all-to-all, its own part for an all-gather)."""
+    if world <= 1:
+        return 0, 0
+    if kind == "all_reduce":
+        moved = 2 * (world - 1) * nbytes // world
+    elif kind == "all_gather":
+        moved = (world - 1) * nbytes
+    elif kind in ("all_to_all", "reduce_scatter"):
+        moved = (world - 1) * nbytes // world
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    return moved, moved

@@ -35,10 +35,13 @@ Strategies (``DDP`` = flat synchronous all-reduce every step)::
                 two-point order statistic at s = 0 and each rank's mean as s grows (jitter absorbed); a persistent
                 straggler paces everyone once the slack is used. ASP (s = None): each rank at its own rate. The
                 update exchange (an all-reduce every step, in the background) caps the step at its duration.
-    compression: the all-reduced (powersgd, fp16) or all-gathered (int8, sign) payload is ``ratio x B``; for DDP
-                across nodes of several ranks (all but powersgd) hierarchical: one fp32 all-reduce inside the node,
-                the B/m shards compressed across nodes sharing the node link, as hier_sync's round; plus an
-                encode/decode CPU cost per gradient byte (``codec_s_per_byte``; all-gather decodes R-1 payloads).
+    compression: the payload is ``ratio x B``, all-reduced (powersgd, fp16), exchanged in two phases (int8, int4,
+                sign: all-to-all of shards, then all-gather of the averaged shards, which moves what a ring
+                all-reduce of the payload moves: 2 (k-1)/k ratio B) or, with ``collective="allgather"``, all-gathered
+                (every rank receives k-1 payloads); for DDP across nodes of several ranks (all but powersgd)
+                hierarchical: one fp32 all-reduce inside the node, the B/m shards compressed across nodes sharing
+                the node link, as hier_sync's round; plus an encode/decode CPU cost per gradient byte
+                (``codec_s_per_byte``: two-phase encodes and decodes about 3 B, all-gather decodes k-1 payloads).
     auto_sync:  the best of ddp_adaptive_batch / hier_sync at their default settings (SyncSwitcher's defaults:
                 batch rebalancing on, async off): an upper bound for a switcher that settles in the right mode
                 (switching costs are not modelled).
@@ -76,25 +79,31 @@ COMPRESSION: dict[str, tuple[float, str]] = {
     "none": (1.0, "all_reduce"),
     "fp16": (0.5, "all_reduce"),
     "bf16": (0.5, "all_reduce"),
-    "int8": (0.254, "all_gather"),
-    "sign": (0.035, "all_gather"),
+    "int8": (0.254, "two_phase"),
+    "int4": (0.129, "two_phase"),
+    "sign": (0.035, "two_phase"),
     "powersgd": (0.03, "all_reduce"),
 }
+# Chunked codes may travel by the older all-gather layout instead (``Compressor(collective="allgather")``).
+COLLECTIVES = ("two_phase", "allgather")
 # Base strategies and the named variants the advisor and the benchmarks use.
 _BASE = ("ddp", "ddp_adaptive_batch", "hier_sync", "async_ssp", "auto_sync")
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_int8": ("ddp", {"compression": "int8"}),
+    "ddp_int4": ("ddp", {"compression": "int4"}),
+    "ddp_int8_allgather": ("ddp", {"compression": "int8", "collective": "allgather"}),
     "ddp_powersgd": ("ddp", {"compression": "powersgd"}),
     "ddp_fp16": ("ddp", {"compression": "fp16"}),
     "hier_sync_int8": ("hier_sync", {"compression": "int8"}),
+    "hier_sync_int8_allgather": ("hier_sync", {"compression": "int8", "collective": "allgather"}),
     "async_asp": ("async_ssp", {"staleness": None}),
 }
 STRATEGIES: tuple[str, ...] = _BASE + tuple(_VARIANTS)
 _SETTINGS: dict[str, frozenset[str]] = {
-    "ddp": frozenset({"compression", "compression_ratio"}),
-    "ddp_adaptive_batch": frozenset({"compression", "compression_ratio"}),
-    "hier_sync": frozenset({"inter_period", "max_delay", "compression", "compression_ratio"}),
-    "async_ssp": frozenset({"staleness", "compression", "compression_ratio"}),
+    "ddp": frozenset({"compression", "compression_ratio", "collective"}),
+    "ddp_adaptive_batch": frozenset({"compression", "compression_ratio", "collective"}),
+    "hier_sync": frozenset({"inter_period", "max_delay", "compression", "compression_ratio", "collective"}),
+    "async_ssp": frozenset({"staleness", "compression", "compression_ratio", "collective"}),
     "auto_sync": frozenset({"inter_period", "max_delay"}),
 }
 # auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
@@ -361,16 +370,36 @@ class ScalingModel:
         alpha, beta = link
         return (k - 1) * payload_bytes / beta + (k - 1) * alpha
 
+    @staticmethod
+    def _kind(compression: str, k: int) -> str:
+        """How the payload travels over ``k`` ranks: ``all_reduce``, ``two_phase`` or ``all_gather``
+        (``int8@allgather``: the chunked code in the all-gather layout; predict() names it so from the ``collective``
+        setting). As ``Compressor``'s ``collective="auto"``, two ranks all-gather (the same bytes, one encoding)."""
+        method, _, layout = compression.partition("@")
+        kind = COMPRESSION[method][1]
+        return "all_gather" if kind == "two_phase" and (layout == "allgather" or k <= 2) else kind
+
     def _collective(self, k: int, nbytes: float, link: tuple[float, float], compression: str, ratio: float) -> float:
-        kind = COMPRESSION[compression][1]
+        kind = self._kind(compression, k)
         if kind == "all_gather":
             return self.ring_all_gather_s(k, ratio * nbytes, link)
+        # Two-phase: an all-to-all of shards ((k-1)/k of the payload) then an all-gather of the averaged shards
+        # (k-1 shards of 1/k), with k-1 latencies each: exactly a ring all-reduce of the payload.
         return self.ring_all_reduce_s(k, ratio * nbytes, link)
+
+    def _sent(self, k: int, payload: float, compression: str) -> float:
+        """Bytes a rank sends for one exchange of a ``payload``-byte compressed tensor (the CPU cost's basis)."""
+        kind = self._kind(compression, k)
+        if kind == "two_phase":
+            return 2 * (k - 1) / k * payload
+        return (2 if kind == "all_reduce" else 1) * payload * (k - 1)
 
     def _codec_s(self, k: int, nbytes: float, compression: str) -> float:
         if compression == "none" or k <= 1:
             return 0.0
-        decoded = (k - 1) if COMPRESSION[compression][1] == "all_gather" else 1
+        # Bytes encoded or decoded besides the first encode: all-gather decodes k-1 payloads; two-phase decodes k
+        # shards of 1/k, re-encodes one and decodes k again (about 2); an all-reduce decodes one.
+        decoded = {"all_gather": k - 1, "two_phase": 2}.get(self._kind(compression, k), 1)
         return self.codec_s_per_byte * nbytes * (1 + decoded)
 
     def _collectives_per_step(self, nbytes: float) -> int:
@@ -404,6 +433,11 @@ class ScalingModel:
         ratio = float(opts.get("compression_ratio", COMPRESSION[compression][0]))
         if not 0 < ratio <= 1:
             raise ValueError(f"compression_ratio must be in (0, 1], got {ratio}; HINT: bytes sent / fp32 bytes")
+        collective = opts.get("collective", "two_phase")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r} is unknown; HINT: one of {', '.join(COLLECTIVES)}")
+        if collective == "allgather" and COMPRESSION[compression][1] == "two_phase":
+            compression = f"{compression}@allgather"
         if base == "auto_sync":
             pred = self._auto_sync(nodes, opts)
         elif base in ("ddp", "ddp_adaptive_batch"):
@@ -476,7 +510,7 @@ class ScalingModel:
         shard = nbytes / m
         link = (self.inter_link[0], self.inter_link[1] / m)
         across = self._collective(nodes, shard, link, compression, ratio)
-        sent = (2 if COMPRESSION[compression][1] == "all_reduce" else 1) * ratio * shard * (nodes - 1)
+        sent = self._sent(nodes, ratio * shard, compression)
         cpu = self.comm_cpu_s_per_byte * sent + self._codec_s(nodes, shard, compression)
         cpu += 3 * self.collective_overhead_s
         return inside + across, cpu
@@ -507,7 +541,7 @@ class ScalingModel:
         ranks, b = self._ranks(nodes), self.batch_size
         groups = self._rank_groups(ranks)
         exchange = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
-        sent = (2 if COMPRESSION[compression][1] == "all_reduce" else 1) * ratio * self.grad_bytes
+        sent = self._sent(ranks, ratio * self.grad_bytes, compression)
         cpu = 0.0
         if ranks > 1:
             cpu = self.comm_cpu_s_per_byte * sent + self._codec_s(ranks, self.grad_bytes, compression)

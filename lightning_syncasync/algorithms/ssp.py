@@ -160,6 +160,8 @@ class SSPExchange:
         self.staleness = staleness
         self.timeout_s = timeout_s
         self.compressor = compressor if compressor is not None and compressor.method != "none" else None
+        if self.compressor is not None:
+            self.compressor.check_backend(group)  # before any round: a missing collective fails here, named
         self.recorder = recorder
         self.round_interval_s = round_interval_s
         self.num_lrs = num_lrs
@@ -391,7 +393,7 @@ class SSPExchange:
             nbytes = meta.numel() * meta.element_size()
             if int(round(float(meta[self.world]))) == self.world:
                 # The cut's round is exact and carries the error-feedback residual: nothing stays held back.
-                residual = self.compressor.residuals.pop("grad", None)
+                residual = self.compressor.pop_residual("grad", send.numel(), self.group)
                 exact = (send + residual if residual is not None else send).double()
                 dist.all_reduce(exact, group=self.group)
                 nbytes += exact.numel() * exact.element_size()

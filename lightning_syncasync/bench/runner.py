@@ -344,6 +344,7 @@ class BenchRunner:
             cuda_peak_mb=summary.get("cuda_peak_mb"),
             optimizer_state_mb=summary.get("optimizer_state_mb"),
         )
+        record["wire"] = wire_bytes(report.net_bytes, scenario.procs_per_node, record["steps"])
         for h in record["val_history"]:
             if h["value"] is not None and scenario.reached(h["value"], self.quick):
                 # Training time to the target: validation (every few steps, only to find the crossing) is left out,
@@ -384,3 +385,22 @@ class BenchRunner:
 def median_or_none(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def wire_bytes(net_bytes: list[dict[str, int]], procs_per_node: int, steps: int) -> dict[str, float] | None:
+    """Bytes each rank sent and received per step, measured on the emulated interfaces (mean over ranks): across
+    nodes (the node's link) and inside a node (its loopback), over the whole run of ``steps`` optimizer steps
+    (set-up, the initial broadcast and validation included, spread over the steps). ``None`` without network
+    namespaces."""
+    if not net_bytes:
+        return None
+    ranks = len(net_bytes) * procs_per_node
+    if steps <= 0 or ranks <= 0:
+        return None
+    per = float(steps * ranks)
+    return {
+        "inter_sent": sum(n["link_tx"] for n in net_bytes) / per,
+        "inter_recv": sum(n["link_rx"] for n in net_bytes) / per,
+        "intra_sent": sum(n["lo_tx"] for n in net_bytes) / per,
+        "intra_recv": sum(n["lo_rx"] for n in net_bytes) / per,
+    }

@@ -67,6 +67,9 @@ class EmulationReport:
     interrupted: bool = False
     fault: str = ""
     exit_times: list[float | None] = field(default_factory=list)  # time.time() each rank's exit was seen
+    # Per node, bytes on its inter-node link and its loopback over the whole run (EmulatedNetwork.counters); empty
+    # without network namespaces.
+    net_bytes: list[dict[str, int]] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -296,7 +299,11 @@ class EmulatedCluster:
             if self.shares is not None:
                 self.shares.teardown()
             if self.network is not None:
-                self.network.teardown()
+                try:
+                    # Counters start at 0 in the namespaces made for this run: the whole run's traffic.
+                    report.net_bytes = self.network.counters()
+                finally:
+                    self.network.teardown()
             for s, handler in previous.items():
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(s, handler)

@@ -142,6 +142,23 @@ class EmulatedNetwork:
                 _ip("link", "del", name, check=False)
         self.created.clear()
 
+    def counters(self) -> list[dict[str, int]]:
+        """Bytes each node has moved so far, from the kernel's interface counters: ``link_tx``/``link_rx`` on its
+        link to the other nodes, ``lo_tx``/``lo_rx`` between its own processes (loopback: each byte counted once
+        sent, once received). Headers included: what the wire carried, not what the collectives were handed."""
+        import json
+
+        out = []
+        for node in range(self.num_nodes):
+            row: dict[str, int] = {}
+            for name, dev in (("link", self.interface(node)), ("lo", "lo")):
+                res = _ip("-n", self.namespace(node), "-s", "-j", "link", "show", "dev", dev, check=False)
+                stats = json.loads(res.stdout)[0]["stats64"] if res.returncode == 0 and res.stdout.strip() else {}
+                row[f"{name}_tx"] = int(stats.get("tx", {}).get("bytes", 0))
+                row[f"{name}_rx"] = int(stats.get("rx", {}).get("bytes", 0))
+            out.append(row)
+        return out
+
     def leftovers(self) -> list[str]:
         """Namespaces and links of this instance that still exist (empty after a clean teardown)."""
         ns = _ip("netns", "list", check=False).stdout

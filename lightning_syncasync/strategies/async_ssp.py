@@ -91,7 +91,7 @@ class AsyncSSPStrategy(
         compensation: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
             ``algorithms/compensation.py``).
         lam: DC-ASGD's ``lambda``.
-        compression: compression of the update exchange (``none``, ``fp16``, ``bf16``, ``int8``, ``sign``,
+        compression: compression of the update exchange (``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``,
             ``powersgd``), with error feedback.
         compression_options: extra ``Compressor`` arguments.
         peer_timeout_s: a gate wait, cut or exchange round longer than this ends the run with an error naming the

@@ -61,9 +61,10 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         outer: ``"average"`` or ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo).
         outer_lr: outer learning rate (``outer="nesterov"``).
         outer_momentum: outer momentum (``outer="nesterov"``).
-        compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``sign`` or
+        compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign`` or
             ``powersgd`` (with error feedback; see ``algorithms/compression.py``).
-        compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``, ...).
+        compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``,
+            ``collective``: ``"auto"`` two-phase from 3 ranks, all-gather on 2, ...).
         peer_timeout_s: how long an inter-node average may wait for a peer; past it (or as soon as gloo/NCCL sees
             the peer gone) the run ends with an error naming the lost rank instead of hanging.
         warmup_steps: steps of flat DDP (gradients all-reduced over every rank) before hierarchical averaging starts,

@@ -74,3 +74,65 @@ def test_hierarchical_mean_is_the_same_everywhere_loses_nothing_and_compresses_o
 def test_node_and_cross_groups_go_together():
     with pytest.raises(ValueError, match="node_group and cross_group go together"):
         CompressedAllReduce(Compressor("int8"), StatsRecorder(), node_group=object())  # type: ignore[arg-type]
+
+
+class _Linear(torch.nn.Module):
+    """Three parameters whose gradients do not depend on the weights: loss = sum_p <p, c_p(rank)>."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(700))
+        self.b = torch.nn.Parameter(torch.zeros(300))
+        self.c = torch.nn.Parameter(torch.zeros(513))
+
+    def forward(self, coeffs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * c).sum() for p, c in zip(self.parameters(), coeffs, strict=True))  # type: ignore[return-value]
+
+
+def _coeffs(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(31 + rank)
+    return [torch.randn(n, generator=g) for n in (700, 300, 513)]
+
+
+def _ddp_two_phase(rank: int, world: int, steps: int, warmup: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _Linear()
+    # Tiny buckets: several buckets per step, each its own key (and server residual).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.003)
+    hook = CompressedAllReduce(
+        Compressor("sign", seed=rank, collective="two_phase"), StatsRecorder(), process_group=dist.new_group(),
+        warmup_steps=warmup, warmup_compressor=Compressor("int8", seed=rank, collective="two_phase"),
+    )  # fmt: skip
+    hook.register(ddp)
+    for _ in range(steps):
+        ddp.zero_grad()
+        ddp(_coeffs(rank)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad  # SGD, lr 1: a parameter is minus the sum of the means it received
+    hook.close()
+    server_keys = len(hook.compressor.server_residuals)
+    # The warm-up's exchange ended after step 2: its server residuals were folded back at the end of step 3.
+    warmup_left = len(hook._warmup.server_residuals)
+    # Flush: every server residual (none of their keys is used any more) folds into the per-parameter residuals.
+    hook._used = set()
+    hook._fold_unused()
+    assert not hook.compressor.server_residuals and not hook._warmup.server_residuals
+    held = torch.cat([hook.residuals.get(i, torch.zeros(p.numel())) for i, p in enumerate(model.parameters())])
+    dist.all_reduce(held)
+    return {"params": torch.cat([p.detach() for p in model.parameters()]), "held": held / world,
+            "server_keys": server_keys, "warmup_left": warmup_left}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_two_phase_over_buckets_and_warm_up_loses_nothing():
+    # 4 ranks in one flat group: the two-phase layout, an int8 warm-up of 2 steps then sign; what the ranks applied
+    # plus what the residuals (their own and the shard owners', folded back) hold is exactly the exact sum.
+    steps = 6
+    res = run_distributed(_ddp_two_phase, WORLD, steps, 2)
+    exact = -steps * sum(torch.cat(_coeffs(r)) for r in range(WORLD)) / WORLD
+    for r in res:
+        torch.testing.assert_close(r["params"], res[0]["params"], rtol=0, atol=0)  # no drift between replicas
+        torch.testing.assert_close(r["params"] - r["held"], exact, rtol=0, atol=1e-4)
+        assert r["server_keys"] >= 2 and r["warmup_left"] == 0  # several buckets, each with its server residual

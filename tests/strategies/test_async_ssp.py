@@ -143,7 +143,7 @@ def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path):
         ({"staleness": -1}, "staleness"),
         ({"compensation": "magic"}, "compensation"),
         ({"lam": -0.5}, "lam"),
-        ({"compression": "int4"}, "compression"),
+        ({"compression": "int2"}, "compression"),
         ({"peer_timeout_s": 0}, "peer_timeout_s"),
         ({"exchange_every": 0}, "exchange_every"),
     ],
