@@ -9,6 +9,7 @@ connections), which are subtracted. Printed per configuration: bytes each rank s
 ring implementation (``last_wire``).
 
     python scripts/collective_bytes.py --out collective_bytes.json        # needs root (network namespaces)
+    python scripts/collective_bytes.py --table collective_bytes.json      # the Markdown table of those rows
 """
 
 from __future__ import annotations
@@ -62,6 +63,23 @@ def measure(nodes: int, per_node: int, method: str, collective: str, steps: int)
     return {"sent": sent, "recv": recv, **worker_out}
 
 
+def table(rows: list[dict]) -> list[str]:
+    """Markdown: one row per method and layout, one column per cluster shape, bytes sent per rank per exchange as a
+    fraction of the fp32 tensor (measured on the interfaces; the ring model's figure in brackets)."""
+    shapes = list(dict.fromkeys((r["nodes"], r["ranks_per_node"]) for r in rows))
+    kinds = list(dict.fromkeys((r["method"], r["collective"]) for r in rows))
+    by = {(r["method"], r["collective"], r["nodes"], r["ranks_per_node"]): r for r in rows}
+    head = ["method", "layout", *[f"{n} nodes x {k} ({n * k} ranks)" for n, k in shapes]]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, collective in kinds:
+        cells = []
+        for n, k in shapes:
+            r = by.get((method, collective, n, k))
+            cells.append("" if r is None else f"{r['sent_vs_fp32']:.3f} ({r['ring_model_vs_fp32']:.3f})")
+        out.append("| " + " | ".join([f"`{method}`", collective, *cells]) + " |")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=4, metavar=("METHOD", "COLLECTIVE", "STEPS", "OUT"), help=argparse.SUPPRESS)
@@ -69,7 +87,11 @@ def main() -> int:
     parser.add_argument("--methods", default="none,int8,sign,int4", help="comma-separated Compressor methods")
     parser.add_argument("--shapes", default="2x1,2x2,2x4,4x1,4x2", help="NODESxRANKS_PER_NODE, comma-separated")
     parser.add_argument("--out", default="collective_bytes.json", help="where the rows go (JSON)")
+    parser.add_argument("--table", default=None, metavar="JSON", help="print the Markdown table of a results file")
     args = parser.parse_args()
+    if args.table:
+        print("\n".join(table(json.loads(Path(args.table).read_text()))))
+        return 0
     if args.worker:
         method, collective, steps, out = args.worker
         worker(method, collective, int(steps), out)

@@ -422,7 +422,8 @@ def simulate(
     out = []
     for n in nodes_list:
         settings = candidate_settings(model, n, tolerance)
-        out += [model.predict(s, n, **settings[s]) for s in strategies]
+        # Strategies outside the candidates (the cost model's variants, e.g. ddp_int8_allgather) at their defaults.
+        out += [model.predict(s, n, **settings.get(s, {})) for s in strategies]
     return out
 
 
@@ -430,11 +431,12 @@ def format_simulation(preds: Sequence[Prediction]) -> list[str]:
     nodes = sorted({p.nodes for p in preds})
     names = list(dict.fromkeys(p.strategy for p in preds))
     by = {(p.strategy, p.nodes): p for p in preds}
-    head = f"{'strategy':<20}" + "".join(f"{f'{n} nodes':>22}" for n in nodes)
-    lines = [head, f"{'':<20}" + "".join(f"{'samples/s  eff':>22}" for _ in nodes)]
+    w = max([20, *(len(s) + 1 for s in names)])
+    head = f"{'strategy':<{w}}" + "".join(f"{f'{n} nodes':>22}" for n in nodes)
+    lines = [head, f"{'':<{w}}" + "".join(f"{'samples/s  eff':>22}" for _ in nodes)]
     for s in names:
         cells = "".join(f"{by[(s, n)].samples_per_s:>14.4g} {by[(s, n)].efficiency:>6.1%}" for n in nodes)
-        lines.append(f"{s:<20}{cells}")
+        lines.append(f"{s:<{w}}{cells}")
     for s in names:
         chosen = [f"{n}: {_fmt_settings(by[(s, n)].settings).strip()}" for n in nodes if by[(s, n)].settings]
         if chosen and any("inter_period" in c or "staleness" in c or "mode" in c for c in chosen):

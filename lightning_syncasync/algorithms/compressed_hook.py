@@ -259,7 +259,7 @@ class CompressedAllReduce:
         k = dist.get_world_size(self.node_group) if self.hierarchical else 1
         offset_of = dist.get_rank(self.node_group) if self.hierarchical else 0
         for which, compressor in (("main", self.compressor), ("warmup", self._warmup)):
-            for key in [k for k in compressor.server_residuals if (which, k) not in self._used]:
+            for key in [name for name in compressor.server_residuals if (which, name) not in self._used]:
                 layout = self._layouts.pop((which, key), None)
                 if layout is None:
                     continue  # unreachable: every residual's layout is tracked (and checkpointed) with it

@@ -116,9 +116,14 @@ def test_frozen_rms_is_the_warmups_gradient_rms_and_the_int8_warmup_sends_a_quar
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("method", ["int8", "powersgd", "sign", "sign_rms"])
+@pytest.mark.parametrize("method", ["int8", "powersgd", "sign", "sign_rms", "int4_two_phase"])
 def test_resume_restores_every_ranks_residuals(tmp_path, method):
     options = {"rank": 2} if method == "powersgd" else {} if method.startswith("sign") else {"rounding": "stochastic"}
+    if method == "int4_two_phase":
+        # The two-phase layout forced on 2 ranks (auto all-gathers there): each rank's server residual, for the
+        # shard it owns, must come back too.
+        options["collective"] = "two_phase"
+        method = "int4"
     # sign: the checkpoint falls inside a 10-step warm-up, so the resumed run must know how much of it is left;
     # sign_rms: also the warm-up's sums of squares, from which the RMS is frozen two steps after the resume.
     warmup = 10 if method.startswith("sign") else 0
@@ -135,6 +140,8 @@ def test_resume_restores_every_ranks_residuals(tmp_path, method):
     path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
     state = torch.load(path, weights_only=True)["syncasync_compression"]
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
+    if options.get("collective") == "two_phase":
+        assert all(rank["compressor"]["server_residuals"] for rank in state["ranks"])
     resumed, _ = _fit(tmp_path / "resumed", make(), steps=12, ckpt_path=str(path),
                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=8)])  # fmt: skip
     for r in range(2):

@@ -11,7 +11,14 @@ import sys
 import pytest
 
 from lightning_syncasync.advise.__main__ import main
-from lightning_syncasync.advise.report import CANDIDATES, Measurements, Thresholds, recommend, simulate
+from lightning_syncasync.advise.report import (
+    CANDIDATES,
+    Measurements,
+    Thresholds,
+    format_simulation,
+    recommend,
+    simulate,
+)
 from lightning_syncasync.emulate.cluster import free_port
 
 ADVISE = [sys.executable, "-m", "lightning_syncasync.advise"]
@@ -121,6 +128,17 @@ def test_simulation_keeps_the_measured_shape():
     by = {(p.strategy, p.nodes): p for p in preds}
     assert by[("hier_sync", 512)].samples_per_s > by[("ddp", 512)].samples_per_s
     assert by[("ddp", 512)].efficiency < by[("ddp", 8)].efficiency
+
+
+@pytest.mark.timeout(10)
+def test_simulation_of_the_compressed_exchanges_at_scale():
+    # The LM at 100 Mbit/s: two-phase int8 keeps hier_sync's lead at 64 and 512 nodes, the all-gather layout loses it.
+    names = ["hier_sync", "hier_sync_int8", "hier_sync_int8_allgather", "ddp_int8", "ddp_int8_allgather"]
+    by = {(p.strategy, p.nodes): p.efficiency for p in simulate(_meas(inter=12.5e6), [8, 64, 512], names)}
+    for n in (64, 512):
+        assert by[("hier_sync_int8", n)] >= by[("hier_sync", n)] > by[("hier_sync_int8_allgather", n)]
+    assert by[("ddp_int8", 512)] > 0.9 * by[("ddp_int8", 8)] and by[("ddp_int8_allgather", 512)] < 0.05
+    assert "hier_sync_int8_allgather" in "\n".join(format_simulation(list(simulate(_meas(), [8], names))))
 
 
 @pytest.mark.spawn
