@@ -252,3 +252,10 @@ class RecordWarnings(Callback):
 
         warnings.showwarning = self._restore
         (Path(self.out) / f"warnings{trainer.global_rank}.json").write_text(json.dumps(self.messages))
+
+
+class TinyAdamModel(TinyLoggingModel):
+    """TinyLoggingModel trained with Adam (per-rank optimizer state under round-level async)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)

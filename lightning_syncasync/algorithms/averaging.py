@@ -33,7 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,12 +41,11 @@ import torch.distributed as dist
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
 from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 
 __all__ = ["DelayedAverager", "PeerLostError", "check_settings"]
-
-Outer = Literal["average", "nesterov"]
 
 
 def check_settings(
@@ -62,15 +61,7 @@ def check_settings(
         raise ValueError(f"inter_period must be >= 1, got {inter_period}; HINT: 1 averages across nodes every step")
     if max_delay < 0:
         raise ValueError(f"max_delay must be >= 0, got {max_delay}; HINT: 0 is synchronous, 1 allows one step of lag")
-    if outer not in ("average", "nesterov"):
-        raise ValueError(
-            f"outer must be 'average' or 'nesterov', got {outer!r}; HINT: 'average' is plain periodic averaging, "
-            "'nesterov' DiLoCo's outer momentum"
-        )
-    if outer_lr <= 0:
-        raise ValueError(f"outer_lr must be > 0, got {outer_lr}; HINT: 1.0 with outer_momentum=0 is plain averaging")
-    if not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}; HINT: DiLoCo uses 0.9")
+    check_outer(outer, outer_lr, outer_momentum)
 
 
 @dataclass
@@ -93,8 +84,8 @@ class DelayedAverager:
         local_rank, node_size, num_nodes: this rank's place in the topology.
         inter_period: steps between two launches (>= 1).
         max_delay: steps between a launch and the application of its result (>= 0; 0 = synchronous).
-        outer: ``"average"`` (apply the average) or ``"nesterov"`` (outer SGD with Nesterov momentum on the
-            pseudo-gradient, DiLoCo).
+        outer: ``"average"`` (apply the average), ``"nesterov"`` (outer SGD with Nesterov momentum on the
+            pseudo-gradient, DiLoCo) or ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.outer`).
         outer_lr, outer_momentum: the outer optimizer's settings (``outer="nesterov"``).
         recorder: where bytes and wait time go.
         compressor: compression of the cross-node exchange (``None``: plain fp32 all-reduce).
@@ -159,7 +150,8 @@ class DelayedAverager:
         self.numel = numel
         self.step = 0
         self.pending: deque[_Round] = deque()
-        self.momentum: torch.Tensor | None = None  # outer Nesterov buffer, for this rank's shard
+        # The outer optimizer, on this rank's shard (the same pseudo-gradient on every node: the same state).
+        self.outer_opt = OuterOptimizer(outer, outer_lr, outer_momentum)
         # The last global model, this rank's shard (the same on every node). The replicas must start identical on
         # every node (the strategy broadcasts them before building the averager).
         self.anchor = self._shard()
@@ -245,8 +237,14 @@ class DelayedAverager:
         shards of the node's ranks, gathered: a collective on the node group, so every rank must call it)."""
         if self.pending:
             raise RuntimeError("synchronize() the averager before state_dict(): rounds are still in flight")
-        momentum = None if self.momentum is None else self._gather(self.momentum, record=False)[: self.numel].clone()
+        opt = self.outer_opt
+        momentum, pending = (
+            None if t is None else self._gather(t, record=False)[: self.numel].clone()
+            for t in (opt.buffer, opt.pending)
+        )
         state: dict[str, object] = {"step": self.step, "momentum": momentum, "rounds_applied": self.rounds_applied}
+        if self.outer == "delayed_nesterov":
+            state.update(outer_pending=pending, outer_count=opt.count)
         if self.compressor is not None:
             # After synchronize() the residuals are empty and the PowerSGD factors are the same on every node.
             state["compression"] = self.compressor.state_dict()
@@ -256,13 +254,13 @@ class DelayedAverager:
         """Restore after the model's weights were loaded (the anchor is taken from them)."""
         self.step = int(state["step"])  # type: ignore[call-overload]
         self.rounds_applied = int(state.get("rounds_applied", 0))  # type: ignore[call-overload]
-        momentum = state.get("momentum")
-        if momentum is None:
-            self.momentum = None
-        else:
-            full = torch.nn.functional.pad(momentum, (0, self.shard_numel * self.node_size - momentum.numel()))  # type: ignore[arg-type]
-            lo = self.local_rank * self.shard_numel
-            self.momentum = full[lo : lo + self.shard_numel].clone()
+        self.outer_opt.load_state_dict(
+            {
+                "buffer": self._my_shard(state.get("momentum")),  # type: ignore[arg-type]
+                "pending": self._my_shard(state.get("outer_pending")),  # type: ignore[arg-type]
+                "count": state.get("outer_count", 0),
+            }
+        )
         comp = state.get("compression")
         if self.compressor is not None and comp is not None:
             self.compressor.load_state_dict(comp)  # type: ignore[arg-type]
@@ -273,7 +271,19 @@ class DelayedAverager:
             )
         self.anchor = self._shard()  # the restored weights are a consistent cut: the global model
 
+    @property
+    def momentum(self) -> torch.Tensor | None:
+        """The outer momentum of this rank's shard (``None`` before the first Nesterov round)."""
+        return self.outer_opt.buffer
+
     # -- internals -------------------------------------------------------------------------------------------
+
+    def _my_shard(self, full: torch.Tensor | None) -> torch.Tensor | None:
+        if full is None:
+            return None
+        full = torch.nn.functional.pad(full, (0, self.shard_numel * self.node_size - full.numel()))
+        lo = self.local_rank * self.shard_numel
+        return full[lo : lo + self.shard_numel].clone()
 
     def _flat(self) -> torch.Tensor:
         flat = torch.cat([t.detach().reshape(-1) for t in self.tensors])
@@ -336,13 +346,9 @@ class DelayedAverager:
         if self.recorder is not None:
             self.recorder.record_wait(time.perf_counter() - start)
         if self.outer == "average":
-            new_global = average
+            new_global = average  # bitwise the mean of the snapshots
         else:
-            pseudo_grad = self.anchor - average  # the same on every node
-            if self.momentum is None:
-                self.momentum = torch.zeros_like(pseudo_grad)
-            self.momentum.mul_(self.outer_momentum).add_(pseudo_grad)
-            new_global = self.anchor - self.outer_lr * (pseudo_grad + self.outer_momentum * self.momentum)
+            new_global = self.anchor - self.outer_opt.step(self.anchor - average)  # the same on every node
         self.anchor = new_global
         # Move from the snapshot to the new global model, keeping what was learned locally since the launch.
         delta = new_global - rnd.snapshot

@@ -44,11 +44,13 @@ from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._optim import unwrap_optimizer
+from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -64,6 +66,7 @@ class LocalReduceWhileAsync:
     Ranks are at different steps there, and a collective would put them back in lockstep (module docstring)."""
 
     exchange: SSPExchange | None
+    rounds: RoundExchange | None = None
     _in_training_step: bool = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -74,7 +77,7 @@ class LocalReduceWhileAsync:
             self._in_training_step = False
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if self._in_training_step and self.exchange is not None:
+        if self._in_training_step and (self.exchange is not None or self.rounds is not None):
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
@@ -82,35 +85,60 @@ class LocalReduceWhileAsync:
 class AsyncSSPStrategy(
     WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
 ):
-    """Asynchronous training with Stale Synchronous Parallel bounded staleness, for any LightningModule.
+    """Asynchronous training with bounded staleness (SSP), for any LightningModule.
+
+    Two levels of asynchrony:
+
+    * **Rounds** (``local_steps > 1``, the default): async local SGD
+      (:class:`~lightning_syncasync.algorithms.rounds.RoundExchange`). Every rank trains its own replica with its
+      own optimizer on fresh gradients; every round its local progress (a pseudo-gradient) goes into a background
+      exchange, and the round's global step comes back ``staleness`` rounds later at most. Rounds have a
+      wall-clock length, so a fast rank takes more local steps and a straggler fewer, and nobody waits for the
+      slowest at a round boundary. This is what learns with Adam-family optimizers: a stale gradient stops Adam
+      learning (0.722 -> 0.242 on the convnet, ``scripts/delayed_gradients.py``), a stale round costs little.
+    * **Steps** (``local_steps=1``): every gradient shipped in the background and applied by every replica
+      (:class:`~lightning_syncasync.algorithms.ssp.SSPExchange`), with stale-gradient compensation; for SGD-style
+      workloads.
 
     Args:
-        staleness: the SSP bound ``s`` in steps (``0``: synchronous; ``None``: ASP, no bound). Default 1, measured
-            on the transformer LM demo (4 ranks, AdamW lr 3e-3, 25 steps, no emulation): s=0 reached val_acc 0.293,
-            s=1 0.277, s=4 stayed at the 0.22 plateau (with or without compensation), DDP 0.307.
-        compensation: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
+        staleness: the SSP bound: in rounds with ``local_steps > 1`` (``0``: synchronous rounds, i.e. local SGD /
+            DiLoCo; ``1``: each round's exchange overlaps the next round's steps), in steps with ``local_steps=1``
+            (``0``: synchronous; ``None``: ASP, no bound, per-step mode only).
+        local_steps: local optimizer steps per round at the ranks' mean speed (``1``: per-step gradient exchange).
+            Default 8.
+        outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
+            (:mod:`~lightning_syncasync.algorithms.outer`).
+        outer_lr, outer_momentum: the Nesterov variants' settings.
+        outer_momentum_every: rounds per momentum update of ``delayed_nesterov``.
+        dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed
+            (``False``: every round is ``local_steps`` steps on every rank, a deterministic trajectory).
+        round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
+        compensation: per-step mode only: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
             ``algorithms/compensation.py``).
         lam: DC-ASGD's ``lambda``.
-        compression: compression of the update exchange (``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``,
-            ``powersgd``), with error feedback.
+        compression: compression of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``,
+            ``int8``, ``int4``, ``sign``, ``powersgd``, with error feedback.
         compression_options: extra ``Compressor`` arguments.
         peer_timeout_s: a gate wait, cut or exchange round longer than this ends the run with an error naming the
-            lost rank and its last clock.
-        round_interval_s: the shortest a rank's exchange thread waits for a new local step before an idle round.
-        exchange_every: local steps a rank accumulates before joining an exchange round (1: every step).
+            lost rank.
+        round_interval_s: per-step mode: the shortest a rank's exchange thread waits for a new local step before an
+            idle round.
+        exchange_every: per-step mode: local steps a rank accumulates before joining an exchange round.
         claim_batches: the ranks claim the batches of each epoch from a shared queue
             (:class:`~lightning_syncasync.algorithms.claim_sampler.ClaimingBatchSampler`), so a faster rank trains on
             more of them instead of waiting at every epoch end for a slower one. ``max_steps`` then is a budget over
             all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
             ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
-            every_n_train_steps=...)`` count per-rank batches and are refused). Pays off with ``staleness=None``
-            under a persistent straggler, where a finite bound paces every rank by the slow one anyway.
+            every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
+            whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints), off
+            otherwise and in per-step mode.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
 
         Trainer(strategy="async_ssp", accelerator="cpu", devices=4)
-        Trainer(strategy=AsyncSSPStrategy(staleness=None, compensation="dc_asgd_adaptive"), devices=4)
+        Trainer(strategy=AsyncSSPStrategy(local_steps=16, outer="delayed_nesterov", compression="int8"), devices=4)
+        Trainer(strategy=AsyncSSPStrategy(local_steps=1, staleness=None, compensation="none"), devices=4)
     """
 
     strategy_name = "async_ssp"
@@ -119,6 +147,13 @@ class AsyncSSPStrategy(
     def __init__(
         self,
         staleness: int | None = 1,
+        local_steps: int = 8,
+        outer: Outer = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_momentum_every: int = 2,
+        dynamic_local_steps: bool = True,
+        round_s: float | None = None,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
         compression: str = "none",
@@ -126,10 +161,13 @@ class AsyncSSPStrategy(
         peer_timeout_s: float = 60.0,
         round_interval_s: float = 0.005,
         exchange_every: int = 1,
-        claim_batches: bool = False,
+        claim_batches: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_async(staleness, compensation, lam)
+        # The staleness bound counts rounds (an integer) only in round mode; per-step mode also takes None (ASP).
+        check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, round_s)
+        check_outer(outer, outer_lr, outer_momentum, outer_momentum_every)
         check_common("async_ssp does not all-reduce gradients", compression, compression_options, peer_timeout_s,
                      kwargs, type(self), wraps_ddp=False)  # fmt: skip
         if round_interval_s <= 0:
@@ -138,6 +176,11 @@ class AsyncSSPStrategy(
             raise ValueError(f"exchange_every must be >= 1, got {exchange_every}; HINT: 1 exchanges every step")
         super().__init__(**kwargs)
         self.staleness = staleness
+        self.local_steps = local_steps
+        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
+        self.outer_momentum_every = outer_momentum_every
+        self.dynamic_local_steps = dynamic_local_steps
+        self.round_s = round_s
         self.compensation = compensation
         self.lam = lam
         self.compression = compression
@@ -146,18 +189,26 @@ class AsyncSSPStrategy(
         self.round_interval_s = round_interval_s
         self.exchange_every = exchange_every
         self.claim_batches = claim_batches
+        self._claiming = False  # claim_batches as decided for this fit
         self.planned_steps: int | None = None  # with claim_batches: the user's max_steps, now a budget over ranks
         self._claim_budget: int | None = None
         self._claim_fits = 0
         self.sync_stats = StatsRecorder(mode="async")
         self.exchange: SSPExchange | None = None
+        self.rounds: RoundExchange | None = None
         self._compensator: StaleGradientCompensation | None = None
         self._apply: ApplyFn | None = None
+        self._optimizer: Optimizer | None = None
         self._undo_sigterm: Callable[[], None] | None = None
         self._group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
         self._in_training_step = False
         self._step_open = False
+
+    @property
+    def round_mode(self) -> bool:
+        """Whether training runs in rounds (``local_steps > 1``) rather than per-step gradient exchange."""
+        return self.local_steps > 1
 
     @override
     def setup_distributed(self) -> None:
@@ -180,23 +231,48 @@ class AsyncSSPStrategy(
         module = self.lightning_module
         self._params = [p for p in module.parameters() if p.requires_grad]
         optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
-        self._apply = server_update(optimizer, self._params, module)
+        self._optimizer = optimizer
         self._undo_sigterm = local_sigterm_check(trainer)
-        if self.claim_batches:
+        self._claiming = self._decide_claiming(trainer)
+        if self._claiming:
             self._claim_budget = _claim_budget(trainer, self.world_size)
             self.planned_steps = trainer.max_steps if trainer.max_steps > 0 else None
             trainer.fit_loop.epoch_loop.max_steps = -1  # the budget stops every rank at the same epoch end instead
             self._claim_fits += 1
+        compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        if self.round_mode:
+            assert self.staleness is not None  # checked at construction
+            self.rounds = RoundExchange(
+                self._params,
+                self._group,
+                local_steps=self.local_steps,
+                staleness=self.staleness,
+                round_s=self.round_s,
+                dynamic=self.dynamic_local_steps,
+                outer=OuterOptimizer(self.outer, self.outer_lr, self.outer_momentum, self.outer_momentum_every),
+                compressor=compressor,
+                recorder=self.sync_stats,
+                scope="inter" if self.num_nodes > 1 else "intra",
+                timeout_s=self.peer_timeout_s,
+                buffers=buffers,
+            )
+            if self._restored is not None:
+                self.rounds.load_state_dict(self._restored)
+                self._restored = None
+            self.rounds.start()
+            return
+        self._apply = server_update(optimizer, self._params, module)
         self.exchange = SSPExchange(
             self._params,
             self._group,
             staleness=self.staleness,
             timeout_s=self.peer_timeout_s,
-            compressor=Compressor(self.compression, seed=self.global_rank, **self.compression_options),  # type: ignore[arg-type]
+            compressor=compressor,
             recorder=self.sync_stats,
             round_interval_s=self.round_interval_s,
             exchange_every=self.exchange_every,
-            buffers=[b for b in module.buffers() if b.is_floating_point()],
+            buffers=buffers,
             num_lrs=len(learning_rates(optimizer)),
         )
         self._compensator = StaleGradientCompensation(self.compensation, self.lam)  # type: ignore[arg-type]
@@ -205,12 +281,25 @@ class AsyncSSPStrategy(
             self._restored = None
         self.exchange.start()
 
+    def _decide_claiming(self, trainer: pl.Trainer) -> bool:
+        """``claim_batches`` for this fit: as set, or (``None``) on with rounds when the loop allows it."""
+        if self.claim_batches is not None:
+            return self.claim_batches
+        if not self.round_mode:
+            return False
+        try:
+            _claim_budget(trainer, self.world_size)
+        except ValueError as reason:
+            log.info("async_ssp: claim_batches left off: %s", str(reason).split(" HINT")[0])
+            return False
+        return True
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         training = module is not None and module._trainer is not None and module.trainer.training
-        if self.claim_batches and training and isinstance(dataloader, DataLoader):
+        if self._claiming and training and isinstance(dataloader, DataLoader):
             dataloader = self._claiming_loader(dataloader)
         return dataloader
 
@@ -245,6 +334,11 @@ class AsyncSSPStrategy(
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.rounds is not None:
+            # A local step on fresh gradients of this replica, with its own optimizer; then the round's bookkeeping.
+            out = super().optimizer_step(optimizer, self._finite(closure), model, **kwargs)
+            self.rounds.after_step()
+            return out
         ex = self.exchange
         if ex is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -254,38 +348,69 @@ class AsyncSSPStrategy(
             lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
         )  # fmt: skip
 
+    def _finite(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The closure, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
+        replica's next round would carry the NaN into every other replica."""
+        rounds = self.rounds
+
+        def wrapped() -> Any:
+            loss = closure()
+            value = loss.detach() if isinstance(loss, torch.Tensor) else None
+            if value is not None and not bool(torch.isfinite(value).all()):
+                where = f"round {rounds.launched}" if rounds is not None else "a step"
+                raise DivergenceError(
+                    f"rank {self.global_rank}: loss is {value.item()} in {where} under async training; stopped before "
+                    "this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher "
+                    "to fall back to synchronous training"
+                )
+            return loss
+
+        return wrapped
+
     # -- consistent cuts -----------------------------------------------------------------------------------------
+
+    def _cut(self, stop: bool = False) -> None:
+        """Every update in flight delivered, the replicas (and in round mode the optimizer states) made rank 0's."""
+        if self.rounds is not None and self.rounds._thread is not None:
+            self.rounds.cut(stop=stop)
+            if self._optimizer is not None:
+                broadcast_optimizer_state(self._optimizer, self._params, src=0)
+            if stop:
+                _log_rounds(self.rounds)
+        elif self.exchange is not None and self.exchange._thread is not None:
+            self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
+            if stop:
+                _log_staleness(self.exchange)
 
     @override
     def on_validation_start(self) -> None:
         # Not `trainer.training`: Lightning leaves the training stage before this hook, so that test never held and
         # validation inside fit saw a replica without the updates still in flight.
-        if self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(self._apply)  # validate the merged model
+        self._cut()  # validate the merged model
         super().on_validation_start()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(self._apply)  # all ranks save together: a consistent cut
+        self._cut()  # all ranks save together: a consistent cut
         return super().lightning_module_state_dict()
 
     def _algorithm(self) -> Any | None:
-        return self.exchange
+        return self.rounds if self.rounds is not None else self.exchange
 
     @override
     def _merge_replicas(self) -> None:
         # The model fit() leaves behind (and on_train_end hooks see) is the merged one; the exchange stops on every
         # rank after the same round.
-        if self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(self._apply, stop=True)
-            _log_staleness(self.exchange)
+        self._cut(stop=True)
 
     @override
     def teardown(self) -> None:
         if self.exchange is not None:
             self.exchange.close()
             self.exchange = None
+        if self.rounds is not None:
+            self.rounds.close()
+            self.rounds = None
         if self.planned_steps is not None and self.lightning_module is not None:
             self.lightning_module.trainer.fit_loop.epoch_loop.max_steps = self.planned_steps  # as the user set it
             self.planned_steps = None
@@ -473,4 +598,15 @@ def _log_staleness(ex: SSPExchange) -> None:
         log.info(
             "async_ssp: %d rounds; clock gap mean %.2f max %d; version staleness mean %.2f max %d",
             ex.stats.rounds, sum(gaps) / len(gaps), max(gaps), sum(versions) / len(versions), max(versions),
+        )  # fmt: skip
+
+
+def _log_rounds(rounds: RoundExchange) -> None:
+    st = rounds.stats
+    if st.local_steps:
+        log.info(
+            "async_ssp: %d rounds delivered; local steps per round mean %.1f (min %d, max %d); lag mean %.2f max %d; "
+            "%.2f s waited on the staleness bound",
+            st.rounds, sum(st.local_steps) / len(st.local_steps), min(st.local_steps), max(st.local_steps),
+            sum(st.lags) / max(len(st.lags), 1), max(st.lags, default=0), st.wait_s,
         )  # fmt: skip

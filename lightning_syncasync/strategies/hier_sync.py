@@ -58,7 +58,8 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         virtual_nodes: split each node's ranks into this many virtual nodes instead of giving ``node_size``
             (``virtual_nodes=2`` on one machine of 4 processes: 2 nodes of 2). The registered name
             ``hier_sync_virtual`` sets it to 2, so the string form reaches virtual nodes too.
-        outer: ``"average"`` or ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo).
+        outer: ``"average"``, ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo) or
+            ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.outer`).
         outer_lr: outer learning rate (``outer="nesterov"``).
         outer_momentum: outer momentum (``outer="nesterov"``).
         compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign`` or
@@ -88,7 +89,7 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         inter_period: int = 4,
         max_delay: int = 1,
         node_size: int | None = None,
-        outer: Literal["average", "nesterov"] = "average",
+        outer: Literal["average", "nesterov", "delayed_nesterov"] = "average",
         outer_lr: float = 1.0,
         outer_momentum: float = 0.9,
         compression: str = "none",

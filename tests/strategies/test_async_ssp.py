@@ -1,5 +1,6 @@
-"""async_ssp with Lightning on gloo processes (spawn): lockstep equivalence, the bound under a straggler,
-Lightning's collectives, merged final model, resume, divergence and bad input."""
+"""async_ssp's per-step mode (``local_steps=1``) with Lightning on gloo processes: lockstep equivalence, the bound
+under a straggler, Lightning's collectives, merged final model, resume, divergence and bad input. The round mode (the
+default) is tested in ``test_async_rounds.py``."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_staleness_zero_with_sgd_is_ddp(tmp_path):
     torch.manual_seed(0)
     ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"), TinyLoggingModel(), val=True)
     torch.manual_seed(0)
-    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, compensation="none", start_method="fork"),
+    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, local_steps=1, compensation="none", start_method="fork"),
                         TinyLoggingModel(), val=True)  # fmt: skip
     for r in range(2):
         assert ssp[r]["gaps"] == [0] * 8  # lockstep: nobody ever starts a step ahead of the others
@@ -97,7 +98,7 @@ def test_staleness_zero_with_sgd_is_ddp(tmp_path):
 @pytest.mark.timeout(300)
 def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
     s = 2
-    res, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=s, start_method="fork"),
+    res, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=s, local_steps=1, start_method="fork"),
                         TinyLoggingModel(slow_rank=2, delay=0.25), devices=3, steps=12, val=True)  # fmt: skip
     for r in res:
         assert len(r["steps"]) == 12 and max(r["gaps"]) <= s  # never past the bound
@@ -116,7 +117,7 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_resume_restores_the_merged_model_and_the_clocks(tmp_path):
-    make = lambda: AsyncSSPStrategy(staleness=1, start_method="fork")  # noqa: E731
+    make = lambda: AsyncSSPStrategy(staleness=1, local_steps=1, start_method="fork")  # noqa: E731
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
     _fit(tmp_path / "full", make(), steps=12, callbacks=[ckpt])
     path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
@@ -134,7 +135,7 @@ def test_resume_restores_the_merged_model_and_the_clocks(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path):
     with pytest.raises(Exception, match="loss is nan at clock 2"):
-        _fit(tmp_path / "nan", AsyncSSPStrategy(staleness=None, start_method="fork"), NaNAfterModel())
+        _fit(tmp_path / "nan", AsyncSSPStrategy(staleness=None, local_steps=1, start_method="fork"), NaNAfterModel())
 
 
 @pytest.mark.parametrize(
@@ -168,7 +169,7 @@ def test_claimed_batches_let_fast_ranks_train_more_under_a_straggler(tmp_path):
     out.mkdir()
     trainer = Trainer(
         accelerator="cpu", devices=3, max_steps=12, logger=False, default_root_dir=out, enable_checkpointing=False,
-        strategy=AsyncSSPStrategy(staleness=None, claim_batches=True, start_method="fork"),
+        strategy=AsyncSSPStrategy(staleness=None, local_steps=1, claim_batches=True, start_method="fork"),
         callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), Record(str(out))],
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2, check_val_every_n_epoch=1,
     )  # fmt: skip

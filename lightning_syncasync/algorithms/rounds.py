@@ -1,0 +1,414 @@
+"""Round-level asynchronous training (async local SGD): every rank a learner, rounds of pseudo-gradients in the
+background, bounded staleness counted in rounds.
+
+Why rounds: with Adam-family optimizers a gradient one optimizer step old already stops learning (per-step async,
+``algorithms/ssp.py``: 0.722 -> 0.242 on the convnet). Moving the staleness from inner steps to outer rounds keeps
+every inner step on a fresh gradient of the rank's own replica, with its own optimizer state; only the exchange of
+whole rounds is late (Liu et al., 2024, "Asynchronous Local-SGD Training for Language Modeling"; DiLoCo, Douillard
+et al., 2023; overlapped outer communication as in Streaming DiLoCo, Douillard et al., 2025).
+
+A round, on every rank:
+
+1. Local steps on the replica ``theta`` (the caller's optimizer), counted by :meth:`RoundExchange.after_step`.
+2. At the round's end the rank's pseudo-gradient is its local progress since its previous round ended,
+   ``delta = base - theta``; then ``base = theta``. It goes into a background exchange (one all-reduce of a small
+   metadata vector, then one all-reduce of the pseudo-gradients, compressed through the shared
+   :class:`~lightning_syncasync.algorithms.compression.Compressor` with error feedback), and the rank goes on with
+   the next round's local steps at once.
+3. The round's global pseudo-gradient is ``G = sum_i delta_i / world``, the same on every rank. With SGD the global
+   model moves by ``-lr / world`` times the sum of every gradient any rank computed: DDP's mean per sample. A rank
+   that took more steps (a fast one) holds more samples in its ``delta`` and moves the global model further, in
+   proportion to its samples, so the update stays unbiased (no per-rank weights to get wrong).
+4. When the round is *delivered* (its exchange done), every rank runs the same outer step on ``G``
+   (:class:`~lightning_syncasync.algorithms.outer.OuterOptimizer`: average, Nesterov, delayed Nesterov) and
+   replaces its own contribution by the global step: ``theta += delta_i - step``, ``base += delta_i - step``. The
+   local progress made since the round ended is kept, and counted in the next round only (it is not in any
+   ``delta`` yet): nothing is lost or counted twice, however many rounds are in flight (tested with a toy model
+   whose updates sum exactly).
+
+Bounded staleness (SSP over rounds): a rank starts round ``r`` only once round ``r - 1 - staleness`` is delivered.
+``staleness=0`` is synchronous local SGD (DiLoCo); ``staleness=1`` (default) overlaps each round's exchange with the
+next round's local steps, so a replica misses at most one round of the others' progress. Delivered rounds are
+applied at the next step boundary, not only when the bound forces it.
+
+Dynamic local steps (``dynamic=True``): rounds have a wall-clock length, ``T = local_steps x`` the ranks' mean step
+time, measured (each rank's moving average travels in the round metadata, so every rank derives the same ``T``),
+and re-decided every round. A rank ends a round at the first step boundary past its deadline, so a fast rank takes
+more local steps and a slow one fewer, and they reach the round's exchange together: a persistent straggler no
+longer paces the others, it contributes fewer samples. A transient pause shorter than ``staleness`` rounds only
+delays the delivery of that rank's round, which nobody needs until ``staleness`` rounds later. A rank that is past
+the next deadline already (it was paused) ends that round with no new step, so the ranks stay on the same round
+grid. Deadlines are ``median end time of round q + (r - q) T`` with ``q`` the last round delivered when round ``r``
+starts (at least ``r - 1 - staleness``), on the wall clock, so rounds do not drift. The first
+``staleness + 1`` rounds, before any measurement is delivered, are ``local_steps`` steps long on every rank.
+``dynamic=False`` keeps every round ``local_steps`` steps long and applies round ``r`` exactly at the end of round
+``r + staleness``: a deterministic trajectory (exact resume, tests).
+
+A consistent cut (validation, checkpoints, the end of fit; every rank calls :meth:`RoundExchange.cut` at the same
+point of its loop) ends the current round with a cut flag, then keeps joining rounds (with no new steps) until one
+round carries every rank's flag; that round is exact (fp32, with every error-feedback residual flushed into it).
+After it is applied every replica is the global model; rank 0's parameters and buffers are broadcast so they are
+bitwise equal, and the next rounds start from a fresh time origin.
+
+Buffers (BatchNorm statistics) are not exchanged between cuts (each rank keeps its own, as in ``SSPExchange``).
+A round that does not complete within ``timeout_s`` raises
+:class:`~lightning_syncasync.algorithms.averaging.PeerLostError` naming the peers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms._comm import CommThread
+from lightning_syncasync.algorithms._flat import add_flat_
+from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.outer import OuterOptimizer
+from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
+from lightning_syncasync.algorithms.watchdog import PeerLostError
+
+# Metadata per rank in a round: local steps, samples, mean step time (s), end time (wall clock, s since the
+# exchange's time origin).
+_FIELDS = 4
+
+
+def check_rounds(local_steps: int, staleness: int | None, round_s: float | None) -> None:
+    """Validate round settings (the strategy checks them at construction, before any process starts)."""
+    if not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(
+            f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: 1 exchanges a gradient every step "
+            "(per-step async), 8 is the round-level default"
+        )
+    if staleness is None or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(
+            f"staleness must be an integer >= 0 with local_steps > 1 (rounds in flight), got {staleness!r}; HINT: 0 "
+            "is synchronous rounds, 1 overlaps each round's exchange with the next round's steps"
+        )
+    if round_s is not None and not round_s > 0:
+        raise ValueError(
+            f"round_s must be > 0 seconds or None (local_steps x the measured step time), got {round_s!r}; "
+            "HINT: leave it None"
+        )
+
+
+@dataclass
+class _Round:
+    index: int
+    delta: torch.Tensor  # this rank's pseudo-gradient (its exact local progress over the round)
+    future: Future[tuple[torch.Tensor, torch.Tensor, int]]  # (G, metadata, bytes sent)
+    launched_at: float
+
+
+@dataclass
+class RoundStats:
+    """What the rounds did (also fed to the ``StatsRecorder``)."""
+
+    rounds: int = 0  # rounds delivered and applied
+    local_steps: list[int] = field(default_factory=list)  # this rank's local steps in each round it ended
+    lags: list[int] = field(default_factory=list)  # rounds launched since a round, when it was applied
+    wait_s: float = 0.0  # time the training loop blocked on the staleness bound
+    round_s: list[float] = field(default_factory=list)  # the decided round length, per dynamic round
+
+
+class RoundExchange:
+    """Rounds of pseudo-gradients in the background, an outer optimizer, bounded staleness in rounds.
+
+    Args:
+        params: the replica's parameters, in a fixed order, identical on every rank at start.
+        group: a process group over every rank, used by nothing else (the rounds run on a thread of their own).
+        local_steps: steps per round (``dynamic``: at the ranks' mean speed).
+        staleness: rounds a rank may run ahead of the last round delivered (``0``: synchronous rounds).
+        round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
+        dynamic: rounds of wall-clock length, so each rank's local steps follow its speed (module docstring).
+        outer: the outer optimizer (default: plain averaging).
+        compressor: compression of the pseudo-gradients (error feedback; ``None``: fp32).
+        recorder: where bytes, wait time and staleness go.
+        scope: how the recorder files the bytes (``"inter"`` when the group spans several nodes).
+        timeout_s: how long the training loop waits for a round before :class:`PeerLostError`.
+        buffers: tensors made rank 0's at every cut (BatchNorm statistics).
+
+    Example::
+
+        ex = RoundExchange(list(model.parameters()), dist.new_group(), local_steps=8, staleness=1)
+        ex.start()
+        for batch in data:
+            loss = model(batch).sum(); loss.backward(); opt.step(); opt.zero_grad()
+            ex.after_step(samples=len(batch))
+        ex.cut(stop=True)   # every round delivered, replicas bitwise equal, thread stopped
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        group: dist.ProcessGroup | None,
+        local_steps: int = 8,
+        staleness: int = 1,
+        round_s: float | None = None,
+        dynamic: bool = True,
+        outer: OuterOptimizer | None = None,
+        compressor: Compressor | None = None,
+        recorder: StatsRecorder | None = None,
+        scope: Scope = "intra",
+        timeout_s: float = 60.0,
+        buffers: Sequence[torch.Tensor] = (),
+    ) -> None:
+        check_rounds(local_steps, staleness, round_s)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not params:
+            raise ValueError("params is empty: nothing to exchange")
+        if dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError("group must span every rank (cuts broadcast over the default group)")
+        self.tensors = params
+        self.buffers = list(buffers)
+        self.group = group
+        self.local_steps, self.staleness, self.round_s, self.dynamic = local_steps, staleness, round_s, dynamic
+        self.outer = outer if outer is not None else OuterOptimizer("average")
+        self.compressor = compressor if compressor is not None and compressor.method != "none" else None
+        if self.compressor is not None:
+            self.compressor.check_backend(group)  # before any round: a missing collective fails here, named
+        self.recorder, self.scope, self.timeout_s = recorder, scope, timeout_s
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+        self.numel = sum(t.numel() for t in params)
+        self.stats = RoundStats()
+        self.launched = 0  # rounds this rank has ended (and launched)
+        self.delivered = 0  # rounds applied to this replica
+        self._base = self.flat()
+        self._flight: deque[_Round] = deque()
+        self._steps = 0  # local steps in the current round
+        self._samples = 0
+        self._step_ema: float | None = None  # this rank's mean step time (the loop's time between two steps)
+        self._last_step_at: float | None = None
+        self._origin = 0.0  # the wall-clock time origin of the metadata (agreed at start and at every cut)
+        self._ends: dict[int, float] = {}  # median end time per delivered round (for the deadlines)
+        self._lengths: dict[int, float] = {}  # the round length each delivered round's metadata decides
+        self._deadline: float | None = None  # the current round's end (wall clock), None: a fixed-step round
+        self._thread: CommThread | None = None
+        self.peers = [r for r in self.global_ranks if r != dist.get_rank()]
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the exchange thread and agree on a time origin (a collective: every rank calls it)."""
+        self._thread = CommThread("syncasync-rounds")
+        self._new_origin()
+
+    def close(self) -> None:
+        """Stop the exchange thread (rounds still in flight are dropped: :meth:`cut` first keeps them)."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+    # -- the training loop's side ------------------------------------------------------------------------------
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in self.tensors])
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flight)
+
+    def after_step(self, samples: int = 1) -> None:
+        """Call after every local optimizer step: applies the rounds delivered so far, and ends the round (launching
+        its exchange, then waiting on the staleness bound) when it is over."""
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
+        self._steps += 1
+        self._samples += samples
+        if self.dynamic:
+            self._apply_done()
+        if self._round_over():
+            self._end_round(cut=False)
+            # A rank past the next deadline already (it was paused) ends that round too, with no new step, so it
+            # stays on the others' round grid instead of running one round behind for good.
+            while self._deadline is not None and time.time() >= self._deadline:
+                self._end_round(cut=False)
+        self._last_step_at = time.perf_counter()  # the time blocked above is not step time
+
+    def cut(self, stop: bool = False) -> None:
+        """A consistent cut (every rank at the same point of its loop): every round delivered and applied, the last
+        one exact, the replicas bitwise equal. ``stop=True`` ends the exchange thread after it."""
+        start = time.perf_counter()
+        if self._thread is None:
+            raise RuntimeError("cut() before start()")
+        while True:
+            self._end_round(cut=True, gate=False)
+            while self._flight:
+                meta = self._apply(self._flight.popleft())
+            if int(round(float(meta[self.world * _FIELDS]))) == self.world:
+                break  # every rank flagged this round: it was exact and it is applied everywhere
+        with torch.no_grad():
+            for t in [*self.tensors, *self.buffers]:
+                # Rounding differs a little across replicas (each adds its own delta back); rank 0's is everyone's.
+                dist.broadcast(t.data, src=self.global_ranks[0])
+        self._base = self.flat()
+        self._ends.clear()
+        self._lengths.clear()
+        self._deadline = None
+        self._last_step_at = None
+        if stop:
+            self.close()
+        else:
+            self._new_origin()
+        if self.recorder is not None:
+            self.recorder.record_wait(time.perf_counter() - start)
+
+    def state_dict(self) -> dict[str, Any]:
+        """After a cut: the round counters, the outer optimizer's state and the compressor's."""
+        if self._flight:
+            raise RuntimeError("cut() the rounds before state_dict(): rounds are still in flight")
+        state: dict[str, Any] = {
+            "launched": self.launched,
+            "delivered": self.delivered,
+            "outer": self.outer.state_dict(),
+        }
+        if self.compressor is not None:
+            state["compression"] = self.compressor.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore after the weights were loaded (they are a consistent cut: the global model)."""
+        self.launched = self.delivered = int(state["delivered"])
+        self.outer.load_state_dict(state["outer"])
+        comp = state.get("compression")
+        if self.compressor is not None and comp is not None:
+            self.compressor.load_state_dict(comp)
+        elif self.compressor is not None or comp is not None:
+            raise ValueError(
+                "the checkpoint was saved with a different round compression than this run's "
+                f"({'none' if self.compressor is None else self.compressor.method}); HINT: resume with the same setting"
+            )
+        self._base = self.flat()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _new_origin(self) -> None:
+        # The latest wall clock of all ranks: every rank's metadata times are then small, non-negative offsets.
+        now = torch.tensor([time.time()], dtype=torch.float64)
+        dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self.group)
+        self._origin = float(now)
+        self._last_step_at = None
+
+    def _round_over(self) -> bool:
+        if self._deadline is None:
+            return self._steps >= self.local_steps
+        return time.time() >= self._deadline
+
+    def _end_round(self, cut: bool, gate: bool = True) -> None:
+        """End this rank's current round: its pseudo-gradient into a background exchange; then the bound."""
+        theta = self.flat()
+        delta = self._base - theta
+        self._base = theta
+        meta = torch.zeros(self.world * _FIELDS + 1, dtype=torch.float64)
+        mine = meta[self.rank * _FIELDS : (self.rank + 1) * _FIELDS]
+        mine[0], mine[1] = self._steps, self._samples
+        mine[2] = self._step_ema if self._step_ema is not None else 0.0
+        mine[3] = time.time() - self._origin
+        meta[-1] = 1.0 if cut else 0.0
+        self.stats.local_steps.append(self._steps)
+        self._steps = self._samples = 0
+        index = self.launched
+        self.launched += 1
+        assert self._thread is not None
+        future = self._thread.submit(lambda: self._exchange(delta, meta))
+        self._flight.append(_Round(index, delta, future, time.perf_counter()))
+        if not gate:
+            return
+        # The bound: round r + 1 (the next) starts only once round r - staleness is delivered.
+        start = time.perf_counter()
+        while len(self._flight) > self.staleness:
+            self._apply(self._flight.popleft())
+        if self.dynamic:
+            self._apply_done()
+        waited = time.perf_counter() - start
+        self.stats.wait_s += waited
+        if self.recorder is not None and waited > 1e-4:
+            self.recorder.record_wait(waited)
+        self._deadline = self._next_deadline() if self.dynamic else None
+
+    def _next_deadline(self) -> float | None:
+        """The end of the round about to start (wall clock), from the last round delivered; ``None`` (a round of
+        ``local_steps`` steps) until the first measurement is delivered."""
+        if not self._ends:
+            return None
+        q = max(self._ends)  # at least round launched - 1 - staleness (the bound delivered it)
+        return self._origin + self._ends[q] + (self.launched - 1 - q) * self._lengths[q] + self._lengths[q]
+
+    def _apply_done(self) -> None:
+        while self._flight and self._flight[0].future.done():
+            self._apply(self._flight.popleft())
+
+    def _apply(self, rnd: _Round) -> torch.Tensor:
+        """Deliver one round to this replica: the outer step replaces this rank's own contribution."""
+        try:
+            # The group's own timeout fails the collective first; this bound is the backstop.
+            grad, meta, nbytes = rnd.future.result(timeout=self.timeout_s + 30.0)
+        except (FutureTimeout, RuntimeError) as err:
+            waited = time.perf_counter() - rnd.launched_at
+            who = f"rank {self.peers[0]}" if len(self.peers) == 1 else f"one of ranks {self.peers}"
+            raise PeerLostError(
+                f"rank {dist.get_rank()}: round {rnd.index} of the pseudo-gradient exchange failed after "
+                f"{waited:.1f}s: lost peer {who}. Cause: {err}. HINT: the bound is timeout_s={self.timeout_s:g}; "
+                "check that rank's log, then resume from the last checkpoint"
+            ) from err
+        per_rank = meta[: self.world * _FIELDS].view(self.world, _FIELDS)
+        if int(per_rank[:, 0].sum()) > 0:
+            step = self.outer.step(grad)
+        else:
+            # No rank took a step (a cut right after a round ended, or everyone paused): not an outer step, or
+            # every validation would add a momentum step. What it carries (residuals flushed at a cut) goes as is.
+            step = grad
+        correction = rnd.delta.sub_(step)  # delta_i - step: this rank's own progress out, the global step in
+        add_flat_(self.tensors, correction)
+        self._base += correction
+        self.delivered += 1
+        self.stats.rounds += 1
+        lag = self.launched - 1 - rnd.index
+        self.stats.lags.append(lag)
+        if self.recorder is not None:
+            self.recorder.record_staleness(lag)
+            self.recorder.record_blocking(nbytes, self.scope, 0.0)
+        ends = per_rank[:, 3].tolist()
+        self._ends[rnd.index] = statistics.median(ends)
+        times = [t for t in per_rank[:, 2].tolist() if t > 0]
+        if self.round_s is not None:
+            self._lengths[rnd.index] = self.round_s
+        elif times:
+            self._lengths[rnd.index] = self.local_steps * sum(times) / len(times)
+            self.stats.round_s.append(self._lengths[rnd.index])
+        else:
+            self._ends.pop(rnd.index)  # no speed measured yet: the next rounds stay step-counted
+        for old in [k for k in self._ends if k < rnd.index]:
+            self._ends.pop(old)
+            self._lengths.pop(old, None)
+        return meta
+
+    def _exchange(self, delta: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """On the exchange thread: the metadata, then the pseudo-gradients (exact when every rank flagged a cut)."""
+        dist.all_reduce(meta, group=self.group)
+        nbytes = meta.numel() * meta.element_size()
+        everyone_cut = int(round(float(meta[-1]))) == self.world
+        if self.compressor is None or everyone_cut:
+            total = delta.clone()
+            if self.compressor is not None:
+                # Everything compression held back (own and server residuals) joins the exact round.
+                residual = self.compressor.pop_residual("round", total.numel(), self.group)
+                if residual is not None:
+                    total += residual
+            dist.all_reduce(total, group=self.group)
+            nbytes += total.numel() * total.element_size()
+            return total / self.world, meta, nbytes
+        mean, sent = self.compressor.allreduce(delta, self.group, key="round")
+        return mean, meta, nbytes + sent

@@ -1,0 +1,142 @@
+"""async_ssp's round mode (the default, ``local_steps > 1``) with Lightning on gloo processes: every step counted
+once under a straggler with claimed batches, the merged model at validation and at the end, optimizer states at a
+cut, exact resume, divergence, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _models import ConstantGradModel, NaNAfterModel, TinyAdamModel
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_syncasync.callbacks import SyncMonitor
+from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+
+
+class Record(Callback):
+    """Each rank writes its step count, the weights each validation saw, its final weights and optimizer state."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.steps = 0
+        self.vals: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.vals.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_train_end(self, trainer, pl_module):
+        rounds = trainer.strategy.rounds  # after the final cut
+        self.rounds = (list(rounds.stats.local_steps), list(rounds.stats.lags)) if rounds is not None else (None, None)
+
+    def on_fit_end(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        moments = [s["exp_avg"].flatten() for s in opt.state.values() if "exp_avg" in s]
+        torch.save(
+            {
+                "steps": self.steps,
+                "vals": self.vals,
+                "final": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
+                "moments": torch.cat(moments) if moments else None,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                "local_steps": self.rounds[0],
+                "lags": self.rounds[1],
+            },
+            Path(self.out) / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def _fit(out: Path, strategy, model, devices=2, steps=16, ckpt_path=None, callbacks=(), **trainer_kwargs):
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, default_root_dir=out,
+        callbacks=[SyncMonitor(summary_file=str(out / "summary.json"), print_summary=False), Record(str(out)),
+                   *callbacks],
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
+        enable_model_summary=False, **trainer_kwargs,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt") for r in range(devices)], trainer
+
+
+@pytest.mark.timeout(300)
+def test_every_step_counts_once_and_the_fast_rank_takes_more_under_a_straggler(tmp_path):
+    # Rank 1 sleeps 40 ms a step. Rounds of wall-clock length and claimed batches (on by default here: validation
+    # is at epoch ends) let rank 0 take more steps; the merged model must hold every step of both exactly.
+    res, trainer = _fit(tmp_path, AsyncSSPStrategy(local_steps=4, start_method="fork"),
+                        ConstantGradModel(slow_rank=1, delay=0.04), steps=24, limit_val_batches=0)  # fmt: skip
+    steps = [r["steps"] for r in res]
+    assert sum(steps) >= 48 and steps[0] > 1.5 * steps[1], steps  # the budget over ranks; the fast rank took more
+    expected = -ConstantGradModel.lr * sum(n * (r + 1) for r, n in enumerate(steps)) / 2
+    for r in res:
+        assert torch.equal(r["final"], torch.full_like(r["final"], expected)), (r["final"][:3], expected)
+        assert max(r["lags"]) <= 1  # the staleness bound, in rounds
+    assert trainer.max_steps == 24  # given back as the user set it
+
+
+@pytest.mark.timeout(300)
+def test_validation_and_the_end_of_fit_see_one_merged_model_and_optimizer_state(tmp_path):
+    res, _ = _fit(tmp_path, AsyncSSPStrategy(local_steps=3, start_method="fork"), TinyAdamModel(slow_rank=1,
+                  delay=0.02), steps=16, limit_val_batches=2, check_val_every_n_epoch=1)  # fmt: skip
+    assert len(res[0]["vals"]) >= 1 and len(res[0]["vals"]) == len(res[1]["vals"])
+    for a, b in zip(res[0]["vals"], res[1]["vals"], strict=True):
+        assert torch.equal(a, b)  # every validation sees the same merged model on every rank
+    assert torch.equal(res[0]["final"], res[1]["final"])
+    assert torch.equal(res[0]["moments"], res[1]["moments"])  # Adam's state too, so a checkpoint is everyone's
+    for r in res:
+        assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # Lightning's collectives and torchmetrics
+
+
+@pytest.mark.timeout(400)
+def test_resume_from_a_checkpoint_continues_the_same_trajectory(tmp_path):
+    # Deterministic rounds (every round 3 steps) and no claimed batches: the run's trajectory is a function of the
+    # data, so the resumed run must end bitwise where the uninterrupted one ended. 8 batches per rank and epoch.
+    def make():
+        return AsyncSSPStrategy(local_steps=3, dynamic_local_steps=False, claim_batches=False, start_method="fork")
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
+    full, _ = _fit(tmp_path / "full", make(), TinyAdamModel(), callbacks=[ckpt], limit_val_batches=0)
+    path = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    assert torch.load(path, weights_only=True)["async_ssp"]["delivered"] >= 2
+    resumed, _ = _fit(tmp_path / "resumed", make(), TinyAdamModel(), ckpt_path=str(path), limit_val_batches=0,
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=8)])  # fmt: skip
+    for r in range(2):
+        assert resumed[r]["steps"] == 8
+        torch.testing.assert_close(resumed[r]["final"], full[r]["final"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path):
+    with pytest.raises(Exception, match=r"rank \d: loss is nan in round"):
+        _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), NaNAfterModel(), limit_val_batches=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"local_steps": 0}, "local_steps must be an integer >= 1"),
+        ({"staleness": None}, "staleness must be an integer >= 0 with local_steps > 1"),
+        ({"staleness": -1}, "staleness"),
+        ({"outer": "adam"}, "outer must be one of"),
+        ({"outer_lr": 0.0}, "outer_lr must be > 0"),
+        ({"outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\)"),
+        ({"round_s": 0.0}, "round_s must be > 0"),
+        ({"outer_momentum_every": 0}, "outer_momentum_every"),
+    ],
+)
+def test_bad_round_settings_are_refused_with_a_hint(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        AsyncSSPStrategy(**kwargs)
+    assert "HINT" in str(err.value)
+
+
+def test_per_step_mode_still_takes_asp():
+    assert not AsyncSSPStrategy(local_steps=1, staleness=None).round_mode
+    assert AsyncSSPStrategy().round_mode
