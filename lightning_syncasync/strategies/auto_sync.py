@@ -5,9 +5,11 @@ Modes:
 * ``sync``: DDP's semantics, every gradient all-reduced over all ranks every step.
 * ``hier``: ``hier_sync``'s, gradients all-reduced inside the node and node replicas averaged across nodes by
   :class:`~lightning_syncasync.algorithms.averaging.DelayedAverager` (``inter_period``, ``max_delay``).
-* ``async``: ``async_ssp``'s, local gradients exchanged in the background by
-  :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` under the SSP bound ``staleness`` and applied on every
-  replica as the same server updates.
+* ``async``: ``async_ssp``'s: by default round-level async (``local_steps > 1``): every rank steps its own replica
+  with its own optimizer and its local progress travels every round through
+  :class:`~lightning_syncasync.algorithms.rounds.RoundExchange` under the bound ``staleness`` (in rounds); with
+  ``local_steps=1`` local gradients are exchanged in the background by
+  :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` and applied on every replica as the same server updates.
 
 How: the model is wrapped once in torch DDP over all ranks, with one comm hook that reads the mode for each bucket:
 all-reduce over all ranks (sync), over the node (hier), or nothing (async). Switching never rebuilds DDP, and sync
@@ -18,9 +20,9 @@ in sync and async (DDP's rule: rank 0's buffers are the model's).
 
 A switch (:meth:`AutoSyncStrategy.switch_mode`, called by every rank after the same step, normally by
 :class:`~lightning_syncasync.callbacks.SyncSwitcher`) leaves the current mode at a consistent cut (hier:
-``DelayedAverager.synchronize``; async: ``SSPExchange.cut(stop=True)``; sync: nothing is in flight after a step),
+``DelayedAverager.synchronize``; async: the exchange's ``cut(stop=True)``; sync: nothing is in flight after a step),
 so every update made so far is in every replica and the replicas are equal; the optimizer states (moments that
-hier lets drift apart) are made rank 0's; then the next mode's algorithm starts from that one model.
+hier and async rounds let drift apart) are made rank 0's; then the next mode's algorithm starts from that one model.
 
 What Lightning's collectives mean: as in the mode that runs (``hier_sync``'s and ``async_ssp``'s docs); in async
 mode ``self.log(sync_dist=True)`` inside ``training_step`` logs the rank's own value.
@@ -49,6 +51,7 @@ from lightning_syncasync.algorithms.averaging import DelayedAverager, check_sett
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES
@@ -90,8 +93,9 @@ class AutoSyncStrategy(
             unless a callback calls :meth:`switch_mode`.
         node_size: ranks per node (default from the cluster); a smaller value forms virtual nodes for ``hier``.
         inter_period, max_delay: ``hier`` mode's cross-node averaging (see ``HierSyncStrategy``).
-        staleness, compensation, lam: ``async`` mode's SSP bound and stale-gradient compensation (see
-            ``AsyncSSPStrategy``; ``staleness=None`` is ASP).
+        staleness, local_steps: ``async`` mode's bound and local steps per round (see ``AsyncSSPStrategy``: rounds by
+            default; ``local_steps=1`` exchanges gradients every step, where ``staleness=None`` is ASP).
+        compensation, lam: the stale-gradient compensation of ``local_steps=1``.
         compression, compression_options: compression of hier's inter-node hop and of async's update exchange.
         peer_timeout_s: bound on every background collective and cut; past it the run fails naming the lost rank.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
@@ -113,6 +117,7 @@ class AutoSyncStrategy(
         inter_period: int = 4,
         max_delay: int = 1,
         staleness: int | None = 1,
+        local_steps: int = 8,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
         compression: str = "none",
@@ -124,6 +129,7 @@ class AutoSyncStrategy(
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}; HINT: 'sync' (the default start)")
         check_settings(inter_period, max_delay, "average", 1.0, 0.9)
         check_async(staleness, compensation, lam)
+        check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, None)  # type: ignore[arg-type]
         check_common("auto_sync registers its own comm hook", compression, compression_options, peer_timeout_s, kwargs,
                      type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
@@ -133,6 +139,7 @@ class AutoSyncStrategy(
         self.node_size = node_size
         self.inter_period, self.max_delay = inter_period, max_delay
         self.staleness, self.compensation, self.lam = staleness, compensation, lam
+        self.local_steps = local_steps
         self.compression = compression
         self.compression_options = dict(compression_options or {})
         self.peer_timeout_s = peer_timeout_s
@@ -140,6 +147,8 @@ class AutoSyncStrategy(
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None
         self.exchange: SSPExchange | None = None
+        self.rounds: RoundExchange | None = None
+        self._async_optimizer: Optimizer | None = None
         self._undo_sigterm: Callable[[], None] | None = None  # async mode: Lightning's per-step broadcast is off
         self._apply: ApplyFn | None = None  # async mode: how this replica applies a server update
         self.diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
@@ -258,16 +267,19 @@ class AutoSyncStrategy(
             self.averager.synchronize()
             self.averager.close()
             self.averager = None
-        elif mode == "async" and self.exchange is not None:
-            assert self._apply is not None
-            self.exchange.cut(self._apply, stop=True)
-            self.exchange = self._apply = None
+        elif mode == "async" and (self.exchange is not None or self.rounds is not None):
+            if self.exchange is not None:
+                assert self._apply is not None
+                self.exchange.cut(self._apply, stop=True)
+            if self.rounds is not None:
+                self.rounds.cut(stop=True)
+            self.exchange = self.rounds = self._apply = None
             if self._undo_sigterm is not None:
                 self._undo_sigterm()
                 self._undo_sigterm = None
         self._broadcast_buffers()
-        if mode == "hier":
-            self._broadcast_optimizer_states()  # hier lets the moments drift apart (async's stay equal)
+        if mode == "hier" or (mode == "async" and self.local_steps > 1):
+            self._broadcast_optimizer_states()  # hier and async rounds let the moments drift apart
 
     def _enter(self, mode: str, restored: dict[str, Any] | None = None) -> None:
         self.sync_stats.mode = mode
@@ -294,6 +306,23 @@ class AutoSyncStrategy(
             trained = [p for p in self._params if p.requires_grad]
             self._apply = server_update(optimizer, trained, self.lightning_module)
             self._undo_sigterm = local_sigterm_check(self.lightning_module.trainer)
+            if self.local_steps > 1:
+                assert self.staleness is not None  # checked at construction
+                self.rounds = RoundExchange(
+                    trained,
+                    self._groups["ssp"],
+                    local_steps=self.local_steps,
+                    staleness=self.staleness,
+                    compressor=self._compressor(),
+                    recorder=self.sync_stats,
+                    scope="inter" if self.topology.num_nodes > 1 else "intra",
+                    timeout_s=self.peer_timeout_s,
+                    buffers=self._tensors[len(self._params) :],
+                )
+                if restored and restored.get("async") is not None:
+                    self.rounds.load_state_dict(restored["async"])
+                self.rounds.start()
+                return
             self.exchange = SSPExchange(
                 trained,
                 self._groups["ssp"],
@@ -345,7 +374,10 @@ class AutoSyncStrategy(
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         last = not self.optimizers or unwrap_optimizer(optimizer) is unwrap_optimizer(self.optimizers[-1])
-        if self.mode == "async" and self.exchange is not None:
+        if self.mode == "async" and self.rounds is not None:
+            out = super().optimizer_step(optimizer, self._finite_or_held_back(closure), model, **kwargs)
+            self.rounds.after_step()  # a dropped step changed nothing, and the round counts it all the same
+        elif self.mode == "async" and self.exchange is not None:
             assert self._compensator is not None and self._apply is not None
             out = ssp_optimizer_step(
                 self.exchange, self._compensator, self._apply, optimizer, self.global_rank, closure,
@@ -359,6 +391,21 @@ class AutoSyncStrategy(
         if last:
             self._step += 1
         return out
+
+    def _finite_or_held_back(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Async rounds: a non-finite loss drops this step's gradients (the optimizer then skips every parameter),
+        so the NaN never reaches the replica or a round, and the switcher reads ``diverged``."""
+
+        def wrapped() -> Any:
+            loss = closure()
+            value = loss.detach() if isinstance(loss, torch.Tensor) else None
+            if value is not None and not bool(torch.isfinite(value).all()):
+                self._held_back(float(value.float().mean()))
+                for p in self._params:
+                    p.grad = None
+            return loss
+
+        return wrapped
 
     def _held_back(self, loss: float) -> None:
         self.diverged = loss
@@ -375,6 +422,9 @@ class AutoSyncStrategy(
             if self.exchange is not None:
                 assert self._apply is not None
                 self.exchange.cut(self._apply)  # validate the merged model (async_ssp's rule)
+            elif self.rounds is not None:
+                self.rounds.cut()
+                self._broadcast_optimizer_states()
             elif self.averager is not None:
                 self.averager.swap_in_mean(self._groups["eval_cross"])  # hier_sync's rule; swapped back at the end
             elif self.mode == "sync" and self.model is not None:
@@ -390,6 +440,9 @@ class AutoSyncStrategy(
         elif self.exchange is not None and self.exchange._thread is not None:
             assert self._apply is not None
             self.exchange.cut(self._apply)
+        elif self.rounds is not None and self.rounds._thread is not None:
+            self.rounds.cut()
+            self._broadcast_optimizer_states()
         return super().lightning_module_state_dict()
 
     def _algorithm(self) -> Any | None:
@@ -410,8 +463,10 @@ class AutoSyncStrategy(
                 self.averager.close()
             if self.exchange is not None:
                 self.exchange.close()
+            if self.rounds is not None:
+                self.rounds.close()
         finally:
-            self.averager = self.exchange = self._apply = None
+            self.averager = self.exchange = self.rounds = self._apply = None
             if self._undo_sigterm is not None:
                 self._undo_sigterm()
                 self._undo_sigterm = None
@@ -432,7 +487,11 @@ class _ModeState:
             "mode": s.mode,
             "step": s._step,
             "hier": s.averager.state_dict() if s.averager is not None else None,
-            "async": s.exchange.state_dict() if s.exchange is not None else None,
+            "async": s.exchange.state_dict()
+            if s.exchange is not None
+            else s.rounds.state_dict()
+            if s.rounds is not None
+            else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
