@@ -30,11 +30,18 @@ Strategies (``DDP`` = flat synchronous all-reduce every step)::
                 nodes, all-gather inside; the node link carries m shards = B) runs in the background and may take
                 up to D = max_delay *steps* after its launch (``DelayedAverager`` applies a round D steps after
                 launching it, whatever P is):  step = max(s_loc, t_round / P, s_loc + (t_round - D s_loc) / P)
-    async_ssp:  no per-step wait. With staleness s a rank waits only for ranks more than s clocks behind: the pace is
-                E[max_r of its mean step over a window of s+1 steps] (K_r ~ Binomial(s+1, p) pauses), which is the
-                two-point order statistic at s = 0 and each rank's mean as s grows (jitter absorbed); a persistent
-                straggler paces everyone once the slack is used. ASP (s = None): each rank at its own rate. The
-                update exchange (an all-reduce every step, in the background) caps the step at its duration.
+    async_ssp:  rounds (``local_steps`` H > 1, the default): every rank at its own mean rate (rounds of wall-clock
+                length; fast ranks take more local steps and claim more batches), t_r = b c_r + cpu_round / H; a
+                round lasts T = H mean_r(t_r); its exchange (the model, all-reduced, in the background) takes t_x:
+                with staleness s >= 1 rounds come no faster than the exchange thread finishes them,
+                round = max(T, t_x); with s = 0 every round waits for its exchange, round = T + t_x; samples/s =
+                sum_r (b / t_r) T / round.
+                per step (H = 1): no per-step wait. With staleness s a rank waits only for ranks more than s clocks
+                behind: the pace is E[max_r of its mean step over a window of s+1 steps] (K_r ~ Binomial(s+1, p)
+                pauses), which is the two-point order statistic at s = 0 and each rank's mean as s grows (jitter
+                absorbed); a persistent straggler paces everyone once the slack is used. ASP (s = None): each rank at
+                its own rate. The update exchange (an all-reduce every step, in the background) caps the step at its
+                duration.
     compression: the payload is ``ratio x B``, all-reduced (powersgd, fp16), exchanged in two phases (int8, int4,
                 sign: all-to-all of shards, then all-gather of the averaged shards, which moves what a ring
                 all-reduce of the payload moves: 2 (k-1)/k ratio B) or, with ``collective="allgather"``, all-gathered
@@ -96,14 +103,16 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_fp16": ("ddp", {"compression": "fp16"}),
     "hier_sync_int8": ("hier_sync", {"compression": "int8"}),
     "hier_sync_int8_allgather": ("hier_sync", {"compression": "int8", "collective": "allgather"}),
-    "async_asp": ("async_ssp", {"staleness": None}),
+    "async_asp": ("async_ssp", {"staleness": None, "local_steps": 1}),
+    "async_ssp_per_step": ("async_ssp", {"local_steps": 1}),
+    "async_ssp_int8": ("async_ssp", {"compression": "int8"}),
 }
 STRATEGIES: tuple[str, ...] = _BASE + tuple(_VARIANTS)
 _SETTINGS: dict[str, frozenset[str]] = {
     "ddp": frozenset({"compression", "compression_ratio", "collective"}),
     "ddp_adaptive_batch": frozenset({"compression", "compression_ratio", "collective"}),
     "hier_sync": frozenset({"inter_period", "max_delay", "compression", "compression_ratio", "collective"}),
-    "async_ssp": frozenset({"staleness", "compression", "compression_ratio", "collective"}),
+    "async_ssp": frozenset({"staleness", "local_steps", "compression", "compression_ratio", "collective"}),
     "auto_sync": frozenset({"inter_period", "max_delay"}),
 }
 # auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
@@ -414,7 +423,8 @@ class ScalingModel:
 
         Settings: ``compression`` (one of ``COMPRESSION``) and ``compression_ratio`` (bytes vs fp32) for ddp,
         ddp_adaptive_batch, hier_sync and async_ssp; ``inter_period`` (4) and ``max_delay`` (1) for hier_sync;
-        ``staleness`` (1, ``None`` = ASP) for async_ssp.
+        ``staleness`` (1; ``None`` = ASP with ``local_steps=1``) and ``local_steps`` (8; 1 = per-step exchange) for
+        async_ssp.
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; HINT: one of {', '.join(STRATEGIES)}")
@@ -450,10 +460,17 @@ class ScalingModel:
                 raise ValueError(f"max_delay must be an integer >= 0, got {delay!r}; HINT: e.g. max_delay=1")
             pred = self._hier_sync(nodes, period, delay, compression, ratio)
         else:
-            staleness = opts.get("staleness", 1)
+            staleness, local_steps = opts.get("staleness", 1), opts.get("local_steps", 8)
+            if not isinstance(local_steps, int) or local_steps < 1:
+                raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: e.g. 8 (1: per step)")
+            if local_steps > 1 and (not isinstance(staleness, int) or staleness < 0):
+                raise ValueError(f"staleness must be an integer >= 0 with local_steps > 1, got {staleness!r}; HINT: 1")
             if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
                 raise ValueError(f"staleness must be an integer >= 0 or None (ASP), got {staleness!r}; HINT: e.g. 1")
-            pred = self._async(nodes, staleness, compression, ratio)
+            if local_steps > 1:
+                pred = self._rounds(nodes, local_steps, staleness, compression, ratio)
+            else:
+                pred = self._async(nodes, staleness, compression, ratio)
         if base != "auto_sync":  # auto_sync reports the mode it settled in
             pred.settings = {k: v for k, v in opts.items() if k != "compression" or v != "none"}
         pred.strategy = strategy
@@ -561,6 +578,25 @@ class ScalingModel:
             pace = max(pace, max(t for _, t in means))
         step = max(pace, exchange)
         return self._finish(nodes, step, mean_compute, step - pace, pace - mean_compute, ranks * b / step, {})
+
+    def _rounds(self, nodes: int, local_steps: int, staleness: int, compression: str, ratio: float) -> Prediction:
+        ranks, b = self._ranks(nodes), self.batch_size
+        groups = self._rank_groups(ranks)
+        exchange = self._collective(ranks, self.grad_bytes, self._link(nodes), compression, ratio)
+        cpu = 0.0
+        if ranks > 1:
+            sent = self._sent(ranks, ratio * self.grad_bytes, compression)
+            cpu = self.comm_cpu_s_per_byte * sent + self._codec_s(ranks, self.grad_bytes, compression)
+            cpu += 2 * self.collective_overhead_s  # the metadata, then the pseudo-gradients
+        means = [(k, (b * c + cpu / local_steps) * self._mean_factor()) for k, c in groups]
+        mean_compute = sum(k * t for k, t in means) / ranks
+        length = local_steps * mean_compute
+        if ranks == 1:
+            exchange = 0.0
+        period = length + exchange if staleness == 0 else max(length, exchange)
+        samples = sum(k * b / t for k, t in means) * length / period
+        step = ranks * b / samples
+        return self._finish(nodes, step, mean_compute, step - mean_compute, 0.0, samples, {})
 
     def _auto_sync(self, nodes: int, opts: dict[str, Any]) -> Prediction:
         # SyncSwitcher's defaults: its sync mode rebalances batches; async is off unless allow_async.

@@ -76,8 +76,8 @@ def test_expected_max_order_statistic():
     # The no-communication limit runs each rank at its own mean: T (1 + p f).
     assert ddp.ideal_samples_per_s == pytest.approx(8 * 10 / (0.1 * (1 + p * f)))
     # SSP with staleness 0 is the same order statistic; staleness lets ranks catch up over a window.
-    assert m.predict("async_ssp", 2, staleness=0).step_s == pytest.approx(ddp.step_s)
-    paces = [m.predict("async_ssp", 2, staleness=s).step_s for s in (0, 1, 4, 16, 64)]
+    assert m.predict("async_ssp", 2, staleness=0, local_steps=1).step_s == pytest.approx(ddp.step_s)
+    paces = [m.predict("async_ssp", 2, staleness=s, local_steps=1).step_s for s in (0, 1, 4, 16, 64)]
     assert paces == sorted(paces, reverse=True)
     assert paces[-1] >= 0.1 * (1 + p * f) - 1e-12
 
@@ -96,7 +96,9 @@ def test_hier_sync_beats_ddp_on_a_slow_link_only():
 def test_async_absorbs_jitter_and_asp_runs_at_own_rates():
     m = _model(procs_per_node=4, grad_bytes=1e4, inter_link=FAST, jitter_p=0.1, jitter_factor=4.0)
     ddp = m.predict("ddp", 2).efficiency
-    assert m.predict("async_ssp", 2, staleness=8).efficiency > ddp + 0.2
+    assert m.predict("async_ssp", 2, staleness=8, local_steps=1).efficiency > ddp + 0.2
+    # Rounds of wall-clock length: every rank at its own mean rate, whatever the pauses.
+    assert m.predict("async_ssp", 2).efficiency == pytest.approx(1.0, abs=1e-3)
     assert m.predict("async_asp", 2).efficiency == pytest.approx(1.0, abs=1e-3)
     # Adaptive batches do not help against pauses.
     assert m.predict("ddp_adaptive_batch", 2).efficiency == pytest.approx(ddp, rel=1e-6)
@@ -110,8 +112,10 @@ def test_adaptive_batch_handles_a_persistent_straggler():
     assert ddp.efficiency == pytest.approx(4 / 1.5 / (3 + 1 / 1.5))
     assert adaptive.efficiency == pytest.approx(1.0)
     # SSP is paced by the persistent straggler; ASP is not.
-    assert m.predict("async_ssp", 1, staleness=4).efficiency == pytest.approx(ddp.efficiency)
+    assert m.predict("async_ssp", 1, staleness=4, local_steps=1).efficiency == pytest.approx(ddp.efficiency)
     assert m.predict("async_asp", 1).efficiency == pytest.approx(1.0)
+    # Rounds with dynamic local steps: the straggler takes fewer steps per round, nobody waits.
+    assert m.predict("async_ssp", 1).efficiency == pytest.approx(1.0)
     # The list tiles over larger worlds: a quarter of the ranks stay slow.
     assert m.predict("ddp", 64).efficiency == pytest.approx(ddp.efficiency)
     single = ScalingModel(0.01, 10, 0.0, 4, FAST, FAST, straggler_fraction=0.25, straggler_factor=1.5)
@@ -178,12 +182,26 @@ def test_bad_constructor_arguments_name_the_setting(kwargs, message):
         ("ddp", 2, {"inter_period": 4}, "no setting"),
         ("hier_sync", 2, {"inter_period": 0}, "inter_period"),
         ("async_ssp", 2, {"staleness": -1}, "staleness"),
+        ("async_ssp", 2, {"staleness": None}, "staleness must be an integer >= 0 with local_steps > 1"),
+        ("async_ssp", 2, {"local_steps": 0}, "local_steps"),
         ("ddp", 2, {"compression": "zip"}, "compression"),
     ],
 )
 def test_bad_predict_arguments_name_the_setting(strategy, nodes, settings, message):
     with pytest.raises(ValueError, match=message):
         _model().predict(strategy, nodes, **settings)
+
+
+@pytest.mark.timeout(10)
+def test_async_rounds_hide_a_slow_exchange_until_it_outlasts_a_round():
+    # The LM over 100 Mbit/s: a fp32 exchange of 13 MB takes ~2 s, a step ~0.7 s.
+    lm = _model(compute_s_per_sample=1 / 23.5, batch_size=16, grad_bytes=12.97e6, intra_link=(5e-5, 231e6),
+                inter_link=(5e-5, 12.5e6))  # fmt: skip
+    effs = [lm.predict("async_ssp", 2, local_steps=h).efficiency for h in (2, 4, 8, 16)]
+    assert effs == sorted(effs) and effs[0] < 0.9 and effs[-1] == pytest.approx(1.0)  # 2 steps do not hide it
+    # Synchronous rounds wait for every exchange.
+    assert lm.predict("async_ssp", 2, local_steps=16, staleness=0).efficiency < effs[-1] - 0.05
+    assert lm.predict("async_ssp_int8", 2, local_steps=2).efficiency > effs[0]  # int8 hides it in 2 steps
 
 
 @pytest.mark.timeout(10)
