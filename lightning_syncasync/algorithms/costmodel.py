@@ -462,7 +462,7 @@ class ScalingModel:
         else:
             staleness, local_steps = opts.get("staleness", 1), opts.get("local_steps", 8)
             if not isinstance(local_steps, int) or local_steps < 1:
-                raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: e.g. 8 (1: per step)")
+                raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: 8 (1: per step)")
             if local_steps > 1 and (not isinstance(staleness, int) or staleness < 0):
                 raise ValueError(f"staleness must be an integer >= 0 with local_steps > 1, got {staleness!r}; HINT: 1")
             if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
