@@ -116,6 +116,10 @@ class StatsRecorder:
         self.total_bytes = {"intra": 0, "inter": 0}
         # Whole-run histograms {value: count} of version staleness and clock gaps (integers for the async modes).
         self.histograms: dict[str, dict[int, int]] = {"staleness": {}, "clock_gap": {}}
+        # Whole-run seconds spent at sync points of asynchronous training (consistent cuts, Lightning's collectives
+        # outside the training step: epoch ends, metric reductions, validation), where every rank waits for the
+        # slowest. Already inside the steps' wall time; kept apart to show what they cost.
+        self.sync_point_s = 0.0
 
     def __getstate__(self) -> dict:
         # Strategies are pickled to spawned processes; a lock cannot travel, a fresh one is made on arrival.
@@ -153,6 +157,11 @@ class StatsRecorder:
         """Record time blocked on communication that moved no new bytes (a gate, a barrier, waiting on a handle)."""
         with self._lock:
             self._open.blocking_s += max(0.0, seconds)
+
+    def record_sync_point(self, seconds: float) -> None:
+        """Record time spent at a sync point of asynchronous training (see ``sync_point_s``)."""
+        with self._lock:
+            self.sync_point_s += max(0.0, seconds)
 
     def record_launch(self, nbytes: int, scope: Scope, at: float | None = None) -> None:
         """Record the launch of an overlapped collective (its completion is recorded by :meth:`record_completion`)."""

@@ -45,6 +45,8 @@ _FIELDS = (
     "peak_rss_mb",
     "cuda_peak_mb",
     "optimizer_state_mb",
+    # Seconds at the sync points of asynchronous training (StatsRecorder.sync_point_s): 0 for synchronous modes.
+    "sync_point_s",
 )
 
 
@@ -260,7 +262,7 @@ class SyncMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._recorder is None:
             return
-        memory = _memory(trainer)
+        memory = {**_memory(trainer), "sync_point_s": self._recorder.sync_point_s}
         local = [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS]
         gathered = torch.tensor(gather_rows(trainer, local), dtype=torch.float64)
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
@@ -423,6 +425,8 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
                 "peak_rss_mb": r["peak_rss_mb"],
                 "cuda_peak_mb": r["cuda_peak_mb"],
                 "optimizer_state_mb": r["optimizer_state_mb"],
+                "sync_point_s": r["sync_point_s"],
+                "sync_point_frac": r["sync_point_s"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
             }
         )
     n = len(ranks)
@@ -448,6 +452,7 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "cuda_peak_mb": max(r["cuda_peak_mb"] for r in ranks),
         "optimizer_state_mb": max(r["optimizer_state_mb"] for r in ranks),
+        "sync_point_frac": mean("sync_point_frac"),
         "ranks": ranks,
     }
 

@@ -26,7 +26,9 @@ What Lightning's collectives mean here, since ranks are at different steps durin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -76,10 +78,41 @@ class LocalReduceWhileAsync:
         finally:
             self._in_training_step = False
 
+    sync_stats: StatsRecorder
+
+    def _async_active(self) -> bool:
+        return self.exchange is not None or self.rounds is not None
+
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if self._in_training_step and (self.exchange is not None or self.rounds is not None):
+        if self._in_training_step and self._async_active():
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        with self._sync_point():
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._sync_point():
+            super().barrier(*args, **kwargs)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._sync_point():
+            return super().broadcast(obj, src)  # type: ignore[misc]
+
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        with self._sync_point():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
+
+    @contextmanager
+    def _sync_point(self) -> Iterator[None]:
+        """Time a collective of Lightning's outside the training step while training is asynchronous: every rank
+        waits there for the slowest (epoch ends, metric reductions, validation), so it is recorded apart."""
+        if not self._async_active():
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync_stats.record_sync_point(time.perf_counter() - start)
 
 
 class AsyncSSPStrategy(
@@ -371,6 +404,13 @@ class AsyncSSPStrategy(
 
     def _cut(self, stop: bool = False) -> None:
         """Every update in flight delivered, the replicas (and in round mode the optimizer states) made rank 0's."""
+        start = time.perf_counter()
+        active = self._async_active()
+        self._cut_now(stop)
+        if active:
+            self.sync_stats.record_sync_point(time.perf_counter() - start)
+
+    def _cut_now(self, stop: bool) -> None:
         if self.rounds is not None and self.rounds._thread is not None:
             self.rounds.cut(stop=stop)
             if self._optimizer is not None:

@@ -4,6 +4,7 @@ cut, exact resume, divergence, bad input."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,9 @@ def test_validation_and_the_end_of_fit_see_one_merged_model_and_optimizer_state(
     assert torch.equal(res[0]["moments"], res[1]["moments"])  # Adam's state too, so a checkpoint is everyone's
     for r in res:
         assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # Lightning's collectives and torchmetrics
+    # The cuts and Lightning's epoch-end collectives are sync points, measured apart (and part of the wall time).
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(0 < r["sync_point_s"] and 0 < r["sync_point_frac"] < 1 for r in summary["ranks"]), summary["ranks"]
 
 
 @pytest.mark.timeout(400)
