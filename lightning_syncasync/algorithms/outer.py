@@ -89,9 +89,14 @@ class OuterOptimizer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffer": self.buffer, "pending": self.pending, "count": self.count}
+        # Copies: the step updates the buffers in place.
+        return {"buffer": _copy(self.buffer), "pending": _copy(self.pending), "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buffer = state.get("buffer")
-        self.pending = state.get("pending")
+        self.buffer = _copy(state.get("buffer"))
+        self.pending = _copy(state.get("pending"))
         self.count = int(state.get("count", 0))
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
