@@ -163,6 +163,7 @@ def _schemas() -> dict[str, type]:
     from lightning_syncasync.demo import (
         Classifier,
         DigitsDataModule,
+        Mnist5kDataModule,
         SyntheticDataModule,
         TextDataModule,
         TransformerLM,
@@ -191,6 +192,7 @@ def _schemas() -> dict[str, type]:
         "model/classifier": builds(Classifier),
         "model/transformer_lm": builds(TransformerLM),
         "data/digits": builds(DigitsDataModule),
+        "data/mnist5k": builds(Mnist5kDataModule),
         "data/text": builds(TextDataModule),
         "data/synthetic": builds(SyntheticDataModule),
         "strategy/hier_sync": builds(

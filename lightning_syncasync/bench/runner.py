@@ -5,6 +5,18 @@ favour whoever runs first), and the *ideal* run is one of them: the same ranks, 
 but every rank trains alone (``--independent``: a world of one, no communication at all). Its summed throughput is
 the physical limit the contenders are measured against, in the same invocation.
 
+That limit is measured with every rank busy all the time. On a machine whose ranks share cores, caches and memory
+bandwidth, ranks that wait leave those to the ones that compute, so a contender that waits (DDP behind a straggler)
+computes faster per step than the ideal's ranks did (so does one that moves samples between ranks, at other batch
+sizes), and its ``efficiency`` overstates it: on ``straggler`` DDP read 86.5% where a perfect synchronous run at the
+ideal's per-rank speeds reaches 73.6% (``straggler_long``: 75.7% against 63.4%). Each record therefore also carries
+the contender's own no-wait throughput (``busy_samples_per_s``: every rank's samples over its time not spent
+waiting; an injected straggler pause counts as compute, as in the ideal), the larger of that and the ideal as
+``bound_samples_per_s`` (a strict upper bound: no rank can beat its own compute speed), ``bounded_efficiency``
+against it, and ``bound_error``: how much faster the contender's ranks computed than the ideal's
+(``busy / ideal - 1``; above 0, ``efficiency`` overstates by that much). The true efficiency lies between
+``bounded_efficiency`` (the busy speed is what the ranks reached while others waited) and ``efficiency``.
+
 Every run is the real ``syncasync-train`` app with the scenario's and the contender's Hydra overrides; the figures
 come from its ``results.json`` (``SyncMonitor``'s summary and validation history).
 """
@@ -223,6 +235,7 @@ class BenchRunner:
                     if rec["samples_per_s"] is not None and ideal["samples_per_s"]
                     else None
                 )
+                rec.update(bound_fields(rec["samples_per_s"], rec.get("busy_samples_per_s"), ideal["samples_per_s"]))
             records.extend(rep_records)
         return records
 
@@ -322,6 +335,7 @@ class BenchRunner:
         record.update(
             samples_per_s=summary["global_samples_per_s"],
             per_rank_samples_per_s=[r["samples_per_s"] for r in summary["ranks"]],
+            busy_samples_per_s=busy_samples_per_s(summary["ranks"]),
             inter_node_bytes_per_step=summary["bytes_inter_per_step"],
             intra_node_bytes_per_step=summary["bytes_intra_per_step"],
             wait_frac=summary["wait_frac"],
@@ -380,6 +394,33 @@ class BenchRunner:
                 raise RuntimeError(f"the ideal run failed on rank {r} (exit {report.exit_codes[r]}); see {run_dir}")
             per_rank.append(json.loads(path.read_text())["sync_summary"]["global_samples_per_s"])
         return {"samples_per_s": sum(per_rank), "per_rank": per_rank}
+
+
+def busy_samples_per_s(ranks: list[dict[str, float]]) -> float | None:
+    """What the ranks would process with no wait at the speed they computed at: the sum over ranks of samples/s over
+    the fraction of the rank's time that was not wait (``SyncMonitor``'s per-rank summary). ``None`` when a rank
+    waited all the time (no compute time to divide by)."""
+    total = 0.0
+    for r in ranks:
+        busy = 1.0 - r["wait_frac"]
+        if busy <= 0.0:
+            return None
+        total += r["samples_per_s"] / busy
+    return total
+
+
+def bound_fields(samples_per_s: float | None, busy: float | None, ideal: float | None) -> dict[str, float | None]:
+    """``bound_samples_per_s`` (the larger of the ideal and the contender's own no-wait throughput), the
+    ``bounded_efficiency`` against it and the ideal's ``bound_error`` (``busy / ideal - 1``); see the module
+    docstring."""
+    if samples_per_s is None or not ideal:
+        return {"bound_samples_per_s": None, "bounded_efficiency": None, "bound_error": None}
+    bound = max(ideal, busy or 0.0)
+    return {
+        "bound_samples_per_s": bound,
+        "bounded_efficiency": samples_per_s / bound,
+        "bound_error": None if busy is None else busy / ideal - 1.0,
+    }
 
 
 def median_or_none(values: list[float | None]) -> float | None:

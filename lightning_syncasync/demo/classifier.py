@@ -14,11 +14,49 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 _ARCHS = ("mlp", "convnet")
 _OPTIMIZERS = ("adam", "sgd", "adamw")
+_SCHEDULES = ("constant", "cosine")
+
+
+class WarmupCosine:
+    """Learning-rate multiplier: a linear warm-up, then constant or a cosine decay to ``min_lr_ratio``.
+
+    A module-level class rather than a lambda so the scheduler can be pickled and its state checkpointed.
+
+    Args:
+        warmup_steps: Steps of linear warm-up from ``1 / warmup_steps`` to 1 (0: none).
+        total_steps: Steps over which the cosine runs (warm-up included); ``None`` keeps the rate constant after the
+            warm-up.
+        min_lr_ratio: Multiplier the cosine ends at.
+
+    Example::
+
+        >>> f = WarmupCosine(warmup_steps=2, total_steps=6)
+        >>> [round(f(s), 2) for s in range(7)]
+        [0.5, 1.0, 1.0, 0.85, 0.5, 0.15, 0.0]
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int | None = None, min_lr_ratio: float = 0.0) -> None:
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        """Return the multiplier for optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        # Step `warmup_steps` is the peak and the budget's last step (total_steps - 1) is one step short of the floor,
+        # so no step within the budget is wasted at a zero learning rate.
+        decay = self.total_steps - self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / decay) if decay > 0 else 1.0
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_mlp(input_shape: list[int], num_classes: int, hidden: int, depth: int) -> nn.Sequential:
@@ -96,6 +134,10 @@ class Classifier(LightningModule):
         optimizer: str = "adam",
         weight_decay: float = 0.0,
         momentum: float = 0.9,
+        warmup_steps: int = 0,
+        schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+        total_steps: int | None = None,
     ) -> None:
         """Validate the configuration and build the network.
 
@@ -111,6 +153,14 @@ class Classifier(LightningModule):
             optimizer: ``"adam"``, ``"sgd"`` (with ``momentum``) or ``"adamw"``.
             weight_decay: Weight decay, >= 0.
             momentum: SGD momentum in ``[0, 1)`` (ignored by Adam/AdamW).
+            warmup_steps: Optimizer steps of linear learning-rate warm-up, >= 0 (0: none).
+            schedule: Learning rate after the warm-up: ``"constant"`` or ``"cosine"`` (decays to
+                ``min_lr_ratio * lr`` at ``total_steps``). With the defaults (no warm-up, constant) no scheduler is
+                created at all.
+            min_lr_ratio: Final learning rate of the cosine as a fraction of ``lr``, in ``[0, 1]``.
+            total_steps: Length of the cosine in optimizer steps, warm-up included; ``None`` takes the Trainer's
+                ``estimated_stepping_batches`` (``max_steps`` when it is set). A run without a step budget (only
+                ``max_time``) keeps the rate constant after the warm-up, with a warning.
 
         Raises:
             ValueError: If any argument is out of range.
@@ -159,6 +209,27 @@ class Classifier(LightningModule):
             )
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}; set model.momentum to e.g. 0.9")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(
+                f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: set model.warmup_steps to 0 to "
+                "disable the warm-up, or e.g. 25"
+            )
+        if schedule not in _SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {_SCHEDULES}, got {schedule!r}; HINT: set model.schedule to 'constant' or "
+                "'cosine'"
+            )
+        if isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(
+                f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}; HINT: set model.min_lr_ratio to e.g. 0.0"
+            )
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= warmup_steps
+        ):
+            raise ValueError(
+                f"total_steps must be an integer > warmup_steps ({warmup_steps}) or None, got {total_steps!r}; "
+                "HINT: leave model.total_steps unset to use the Trainer's max_steps"
+            )
         self.save_hyperparameters()
         self.input_shape: list[int] = list(input_shape)
         if arch == "mlp":
@@ -247,15 +318,39 @@ class Classifier(LightningModule):
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         return self(x).argmax(dim=-1)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Create the configured optimizer.
+    def configure_optimizers(self) -> Any:
+        """Create the configured optimizer, with a per-step learning-rate schedule when one is configured.
 
         Returns:
-            Adam, AdamW or SGD with momentum over all parameters.
+            Adam, AdamW or SGD with momentum over all parameters; with ``warmup_steps > 0`` or
+            ``schedule="cosine"``, a dict adding a step-interval ``LambdaLR`` over :class:`WarmupCosine`.
         """
         hp = self.hparams
+        optimizer: torch.optim.Optimizer
         if hp.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        if hp.optimizer == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        return torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+            optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        else:
+            optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        # hparams saved before these arguments existed (old checkpoints) read as "no schedule".
+        warmup, schedule = hp.get("warmup_steps", 0), hp.get("schedule", "constant")
+        if warmup == 0 and schedule == "constant":
+            return optimizer
+        total = self.lr_total_steps() if schedule == "cosine" else None
+        multiplier = WarmupCosine(warmup, total, hp.get("min_lr_ratio", 0.0))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_total_steps(self) -> int | None:
+        """Length of the cosine: ``total_steps``, else the Trainer's step budget, else ``None`` (with a warning)."""
+        if self.hparams.get("total_steps") is not None:
+            return int(self.hparams["total_steps"])
+        estimated = self.trainer.estimated_stepping_batches
+        if math.isfinite(estimated) and estimated > self.hparams.get("warmup_steps", 0):
+            return int(estimated)
+        rank_zero_warn(
+            f"model.schedule='cosine' has no step budget to decay over (the Trainer estimates {estimated} steps); "
+            "the learning rate stays constant after the warm-up. HINT: set trainer.max_steps or model.total_steps"
+        )
+        return None

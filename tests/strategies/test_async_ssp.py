@@ -78,8 +78,8 @@ def test_staleness_zero_with_sgd_is_ddp(tmp_path):
     torch.manual_seed(0)
     ddp, _ = _fit(tmp_path / "ddp", DDPStrategy(start_method="fork"), TinyLoggingModel(), val=True)
     torch.manual_seed(0)
-    ssp, summary = _fit(tmp_path / "ssp", AsyncSSPStrategy(staleness=0, local_steps=1, compensation="none", start_method="fork"),
-                        TinyLoggingModel(), val=True)  # fmt: skip
+    strategy = AsyncSSPStrategy(staleness=0, local_steps=1, compensation="none", start_method="fork")
+    ssp, summary = _fit(tmp_path / "ssp", strategy, TinyLoggingModel(), val=True)
     for r in range(2):
         assert ssp[r]["gaps"] == [0] * 8  # lockstep: nobody ever starts a step ahead of the others
         assert ssp[r]["versions"] == [0] * 8  # every gradient applied in the next server update

@@ -170,3 +170,55 @@ def test_report_explains_a_bounded_staleness_result_under_a_persistent_straggler
     cfg["strategy"]["staleness"] = None
     assert "ASP" in _explain("straggler", "async_asp", s)
     assert _explain("straggler", "ddp", {"runs": [{"config": {"strategy": {"_target_": "DDPStrategy"}}}]}) == ""
+
+
+def test_the_bound_is_the_contenders_own_no_wait_speed_where_that_beats_the_ideal(tmp_path, monkeypatch):
+    from lightning_syncasync.bench.runner import BenchRunner, Contender, bound_fields, busy_samples_per_s
+    from lightning_syncasync.bench.scenarios import SCENARIOS
+
+    # Three fast ranks waiting a third of their time for the straggler: without the wait each does 3 samples/s.
+    ranks = [{"samples_per_s": 2.0, "wait_frac": 1 / 3}] * 3 + [{"samples_per_s": 2.0, "wait_frac": 0.0}]
+    assert busy_samples_per_s(ranks) == pytest.approx(11.0)
+    assert busy_samples_per_s([{"samples_per_s": 0.0, "wait_frac": 1.0}]) is None
+    # The ideal (every rank busy, so slower per step) read 10: the contender computed 10% faster than it did.
+    assert bound_fields(8.0, 11.0, 10.0) == pytest.approx(
+        {"bound_samples_per_s": 11.0, "bounded_efficiency": 8 / 11, "bound_error": 0.1}
+    )
+    # A contender that computed slower than the ideal is measured against the ideal.
+    assert bound_fields(8.0, 9.0, 10.0) == pytest.approx(
+        {"bound_samples_per_s": 10.0, "bounded_efficiency": 0.8, "bound_error": -0.1}
+    )
+    assert bound_fields(None, None, 10.0)["bounded_efficiency"] is None
+
+    runner = BenchRunner(tmp_path)
+    monkeypatch.setattr(runner, "check", lambda scenario, contenders: None)
+    monkeypatch.setattr(runner, "_run_ideal", lambda scenario, rep: {"samples_per_s": 10.0, "per_rank": [2.5] * 4})
+    monkeypatch.setattr(
+        runner, "_run_contender", lambda scenario, c, rep: {"samples_per_s": 8.0, "busy_samples_per_s": 11.0}
+    )
+    (rec,) = runner.run(SCENARIOS["straggler"], [Contender("ddp", ("strategy=ddp",))])
+    assert rec["efficiency"] == pytest.approx(0.8) and rec["bounded_efficiency"] == pytest.approx(8 / 11)
+    assert rec["bound_error"] == pytest.approx(0.1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["straggler_long", "jitter_long", "mid_run_straggler_long", "hetero_slow_link"])
+def test_long_scenarios_compose_and_train_at_least_ten_epochs(tmp_path, name):
+    from lightning_syncasync.bench.runner import BenchRunner
+    from lightning_syncasync.bench.scenarios import SCENARIOS
+    from lightning_syncasync.callbacks.straggler import parse_schedule
+
+    scenario = SCENARIOS[name]
+    runner = BenchRunner(tmp_path, netns=False)
+    runner.check(scenario, resolve_contenders("ddp"))  # the workload's overrides compose against the schemas
+    overrides = dict(o.split("=", 1) for o in scenario.overrides)
+    assert overrides["data"] == "mnist5k" and overrides["trainer.check_val_every_n_epoch"] == "1"
+    samples = scenario.steps * scenario.world_size * int(overrides["data.batch_size"])
+    assert samples >= 10 * 4000  # 4,000 training images
+    assert scenario.quick_steps < scenario.steps and scenario.quick_target <= scenario.target
+    slow = {w.rank: w.factor for w in parse_schedule(scenario.schedule)}
+    if name == "hetero_slow_link":
+        assert (scenario.nodes, scenario.procs_per_node, scenario.link_mbit) == (2, 2, 100.0)
+        assert slow == {2: 1.5, 3: 1.5}  # node 1
+    else:
+        assert (scenario.nodes, scenario.procs_per_node) == (1, 4)
