@@ -39,6 +39,10 @@ def _spread(values: list[float | None], spec: str) -> str:
     return f" [{min(present):{spec}}-{max(present):{spec}}]"
 
 
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
 def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """``{scenario: {strategy: medians and spreads}}``."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -49,7 +53,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
             runs = s["runs"]
             for key in ("samples_per_s", "ideal_samples_per_s", "efficiency", "time_to_target_s", "final_val_metric",
                         "inter_node_bytes_per_step", "wait_frac", "peak_rss_mb", "cuda_peak_mb",
-                        "optimizer_state_mb"):  # fmt: skip
+                        "optimizer_state_mb", "bounded_efficiency", "bound_error", "sync_point_frac"):  # fmt: skip
                 s[key] = median_or_none([r.get(key) for r in runs])
                 s[key + "_all"] = [r.get(key) for r in runs]
             for key in ("inter_sent", "inter_recv", "intra_sent", "intra_recv"):
@@ -97,9 +101,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             lines += [f"Emulation: CPU {emu.get('cpu_mode')} shares {emu.get('cores_per_rank')}, "
                       f"netns={emu.get('netns')}.", ""]  # fmt: skip
         lines += [
-            "| strategy | samples/s | ideal samples/s | efficiency | time to target (s) | final "
-            f"{any_run.get('val_metric_name')} | inter-node KB/step | wait % | reached |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| strategy | samples/s | ideal samples/s | efficiency | bounded efficiency | time to target (s) | final "
+            f"{any_run.get('val_metric_name')} | inter-node KB/step | wait % | sync points % | reached |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for strategy, s in by_strategy.items():
             eff = s["efficiency"]
@@ -107,10 +111,12 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
                 f"| {strategy} | {_fmt(s['samples_per_s'])}{_spread(s['samples_per_s_all'], '.0f')} "
                 f"| {_fmt(s['ideal_samples_per_s'])} "
                 f"| {_fmt(None if eff is None else 100 * eff, '.1f')}% "
+                f"| {_pct(s.get('bounded_efficiency'))} "
                 f"| {_fmt(s['time_to_target_s'])}{_spread(s['time_to_target_s_all'], '.1f')} "
                 f"| {_fmt(s['final_val_metric'], '.4f')}{_spread(s['final_val_metric_all'], '.4f')} "
                 f"| {_fmt(None if s['inter_node_bytes_per_step'] is None else s['inter_node_bytes_per_step'] / 1024)} "
                 f"| {_fmt(None if s['wait_frac'] is None else 100 * s['wait_frac'])} "
+                f"| {_pct(s.get('sync_point_frac'))} "
                 f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
             )
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)

@@ -339,6 +339,7 @@ class BenchRunner:
             inter_node_bytes_per_step=summary["bytes_inter_per_step"],
             intra_node_bytes_per_step=summary["bytes_intra_per_step"],
             wait_frac=summary["wait_frac"],
+            sync_point_frac=summary.get("sync_point_frac"),
             fit_wall_s=summary.get("fit_wall_s"),
             val_history=[
                 {
