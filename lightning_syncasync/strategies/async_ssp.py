@@ -1,26 +1,33 @@
-"""``AsyncSSPStrategy`` (``async_ssp``): asynchronous data parallelism with SSP bounded staleness.
+"""``AsyncSSPStrategy`` (``async_ssp``): asynchronous data parallelism with bounded staleness (SSP).
 
-Each rank computes gradients on its own replica (no DDP gradient all-reduce) without waiting for the others; the
-gradients travel in the background through :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` (see that
-module for the design, the invariants and the papers), optionally compressed, after a stale gradient is compensated
-(:class:`~lightning_syncasync.algorithms.compensation.StaleGradientCompensation`) for the updates that reached the
-replica while it was computed. Every replica applies the same server updates (the mean of a quorum of gradients,
-fast ranks contributing more of them) with its own optimizer, so the replicas and their optimizer states stay equal.
+Two modes (see the class docstring for the settings):
 
-Differences from DDP a user sees: gradient clipping applies to each server update (the mean gradient, as in DDP);
-``on_before_optimizer_step`` sees no gradients (they have been shipped); one optimizer per module; no fp16
-``GradScaler`` (use ``bf16-mixed``); each param group's learning rate at the step a gradient was computed travels
-with it, and a server update uses the mean of its gradients' rates.
+* **Rounds** (default, ``local_steps > 1``): each rank steps its own replica with its own optimizer on fresh
+  gradients; its local progress travels every round through
+  :class:`~lightning_syncasync.algorithms.rounds.RoundExchange` (design, invariants and papers there), optionally
+  compressed, and comes back as the round's global step at most ``staleness`` rounds later. Rounds have a wall-clock
+  length, so fast ranks take more local steps; with ``claim_batches`` (on by default where the loop allows it) they
+  also train on more of each epoch's batches instead of waiting at its end.
+* **Per step** (``local_steps=1``): gradients travel in the background through
+  :class:`~lightning_syncasync.algorithms.ssp.SSPExchange`, optionally compressed, after a stale gradient is
+  compensated (:class:`~lightning_syncasync.algorithms.compensation.StaleGradientCompensation`); every replica
+  applies the same server updates (the mean of a quorum of gradients, fast ranks contributing more of them) with its
+  own optimizer, so the replicas and their optimizer states stay equal. Gradient clipping applies to each server
+  update; ``on_before_optimizer_step`` sees no gradients (they have been shipped); each param group's learning rate
+  at the step a gradient was computed travels with it.
+
+Both: one optimizer per module; no fp16 ``GradScaler`` (use ``bf16-mixed``).
 
 What Lightning's collectives mean here, since ranks are at different steps during an epoch:
 
 * ``self.log(..., sync_dist=True)`` inside ``training_step`` logs this rank's value: a collective there would put
   every rank back in lockstep. Epoch-level values (``on_epoch=True``), torchmetrics computed at epoch end,
-  validation and ``barrier`` are collectives as usual: every rank reaches them after the same number of batches.
+  validation and ``barrier`` are collectives as usual; the time spent in them (and in the cuts) is recorded as
+  ``sync_point_s``, since every rank waits there for the slowest.
 * Validation, checkpoints and the end of fit happen at a consistent cut: every update in flight is delivered and
-  every replica is made bitwise equal (rank 0's broadcast), so validation sees, and ``save_checkpoint``,
-  ``test`` and ``predict`` use, the merged model.
-* A non-finite loss raises at once (async training would otherwise ship the NaN into every replica).
+  every replica is made bitwise equal (rank 0's broadcast; in round mode its optimizer state too), so validation
+  sees, and ``save_checkpoint``, ``test`` and ``predict`` use, the merged model.
+* A non-finite loss raises at once (async training would otherwise carry the NaN into every replica).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class LocalReduceWhileAsync:
 
     exchange: SSPExchange | None
     rounds: RoundExchange | None = None
+    sync_stats: StatsRecorder
     _in_training_step: bool = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -77,8 +85,6 @@ class LocalReduceWhileAsync:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._in_training_step = False
-
-    sync_stats: StatsRecorder
 
     def _async_active(self) -> bool:
         return self.exchange is not None or self.rounds is not None
