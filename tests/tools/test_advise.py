@@ -74,7 +74,7 @@ def test_jitter_recommends_async_ssp_only_when_allowed():
     rec = recommend(m, Thresholds(allow_async=True), available=CANDIDATES[:-1])
     assert rec.regime["jitter"] and not rec.regime["persistent_straggler"]
     assert rec.strategy == "async_ssp"
-    assert "strategy=async_ssp strategy.staleness=" in rec.hydra
+    assert "strategy=async_ssp strategy.local_steps=" in rec.hydra and "strategy.staleness=" in rec.hydra
     # By default (like SyncSwitcher) async is left out: on the benchmark it learned less per sample than sync.
     rec = recommend(m)
     assert "async_ssp" not in rec.allowed and rec.strategy != "async_ssp"

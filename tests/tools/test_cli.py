@@ -112,6 +112,9 @@ def test_bad_input_is_rejected_with_the_setting_named(tmp_path, args, message):
             [
                 "--trainer.strategy=lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
                 "--trainer.strategy.init_args.staleness=2",
+                "--trainer.strategy.init_args.local_steps=2",
+                # Claimed batches would make max_steps a budget over ranks; per-rank steps are checked below.
+                "--trainer.strategy.init_args.claim_batches=false",
                 "--trainer.strategy.init_args.compression=int8",
                 "--trainer.strategy.init_args.start_method=spawn",
             ],
