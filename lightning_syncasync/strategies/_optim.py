@@ -10,28 +10,31 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def broadcast_optimizer_state(optimizer: Any, params: list[Any], src: int = 0) -> None:
+def broadcast_optimizer_state(optimizers: list[Any], src: int = 0) -> None:
     """Make every rank's optimizer state (Adam's moments and step counts, SGD's momentum) rank ``src``'s, in place.
 
-    Round-based async training gives each rank its own optimizer state between cuts; at a consistent cut the model
-    becomes one, and so does this, so that a checkpoint (which holds rank 0's) is every rank's state and resuming
-    is exact. A collective over the default group: every rank calls it at the same cut. The layout (which state
-    each parameter has, and its shapes) must be the same on every rank; it is checked first, so a rank that has
-    not stepped yet fails with a clear error instead of a mismatched collective.
+    Training modes that let the states drift apart (``async_ssp``'s rounds, ``auto_sync``'s hier and async modes)
+    call it at a consistent cut, where the model becomes one: so does this, so that a checkpoint (which holds rank
+    0's) is every rank's state and resuming is exact. A collective over the default group: every rank calls it at
+    the same cut. The layout (which state each parameter has, and its shapes) must be the same on every rank; it is
+    checked first, so a rank that has not stepped yet fails with a clear error instead of a mismatched collective.
     """
     import torch
     import torch.distributed as dist
 
     from lightning_syncasync.algorithms._comm import check_same_on_every_rank
 
-    opt = unwrap_optimizer(optimizer)
     tensors = []
     layout = []
-    for i, p in enumerate(params):
-        state = opt.state.get(p, {})
-        for key in sorted(k for k, v in state.items() if torch.is_tensor(v)):
-            tensors.append(state[key])
-            layout.append((i, key, tuple(state[key].shape), str(state[key].dtype)))
-    check_same_on_every_rank("async_ssp's optimizer state at a consistent cut", {"layout": layout})
-    for t in tensors:
-        dist.broadcast(t, src=src)
+    for k, optimizer in enumerate(optimizers):
+        opt = unwrap_optimizer(optimizer)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        for i, p in enumerate(params):
+            state = opt.state.get(p, {})
+            for key in sorted(k2 for k2, v in state.items() if torch.is_tensor(v)):
+                tensors.append(state[key])
+                layout.append((k, i, key, tuple(state[key].shape), str(state[key].dtype)))
+    check_same_on_every_rank("the optimizer state at a consistent cut", {"layout": layout})
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=src)

@@ -420,7 +420,7 @@ class AsyncSSPStrategy(
         if self.rounds is not None and self.rounds._thread is not None:
             self.rounds.cut(stop=stop)
             if self._optimizer is not None:
-                broadcast_optimizer_state(self._optimizer, self._params, src=0)
+                broadcast_optimizer_state([self._optimizer], src=0)
             if stop:
                 _log_rounds(self.rounds)
         elif self.exchange is not None and self.exchange._thread is not None:

@@ -58,7 +58,7 @@ from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._optim import unwrap_optimizer
+from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -348,26 +348,8 @@ class AutoSyncStrategy(
         for b in module.buffers():
             dist.broadcast(b.data, src=0)
 
-    @torch.no_grad()
     def _broadcast_optimizer_states(self) -> None:
-        tensors = [
-            v
-            for opt in self.optimizers
-            for group in unwrap_optimizer(opt).param_groups
-            for p in group["params"]
-            for _, v in sorted(unwrap_optimizer(opt).state.get(p, {}).items())
-            if isinstance(v, torch.Tensor)
-        ]
-        # Every rank must broadcast the same list: compare the counts first, so a mismatch fails clearly.
-        count = torch.tensor([len(tensors), -len(tensors)], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if int(count[0]) != -int(count[1]):
-            raise RuntimeError(
-                f"rank {self.global_rank}: optimizer states differ in size across ranks ({len(tensors)} tensors "
-                "here); auto_sync cannot make them one. HINT: every rank must build the same optimizer"
-            )
-        for t in tensors:
-            dist.broadcast(t, src=0)
+        broadcast_optimizer_state(self.optimizers, src=0)
 
     # -- the training step ---------------------------------------------------------------------------------------
 
