@@ -166,6 +166,28 @@ class ConstantGradModel(TinyModel):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ScheduledModel(ConstantGradModel):
+    """ConstantGradModel with a step-interval ``LambdaLR`` (linear decay to 0 over ``total`` steps): whether a rank's
+    schedule follows its own steps or the run's global progress shows in its ``last_epoch`` and final rate."""
+
+    def __init__(self, slow_rank: int | None = None, delay: float = 0.02, total: int = 24) -> None:
+        super().__init__(slow_rank, delay)
+        self.total = total
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _LinearDecay(self.total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _LinearDecay:
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        return max(0.0, 1.0 - step / self.total)
+
+
 class NaNInAsyncModel(TinyLoggingModel):
     """TinyLoggingModel whose loss is NaN on rank 0 for one step once the strategy runs asynchronously (after
     ``after`` async steps), to exercise the switcher's rollback."""

@@ -16,13 +16,23 @@ the samples DDP would see) ends training: the claims stop at the budget, every r
 and :attr:`exhausted` says so, identically on every rank (it depends only on the epoch and the shared counter). The
 reserved batches of the last epoch may overshoot the budget by at most ``world - 1`` batches.
 
+With ``pace`` (each rank's seconds per batch, e.g. from the asynchronous exchange's round metadata), a straggler
+stops claiming near an epoch's end when the others would drain the queue before it finished one more batch: the
+epoch then ends when the fast ranks are done, instead of their waiting for the straggler's last batch at the epoch
+end (a consistent cut when validation follows). At most ``world - 1`` ranks may hand over an epoch's tail (a second
+store counter decides), so one rank always drains the queue and no batch is left untrained.
+
+:attr:`position` is the claim number of the batch this rank last drew, counted over all ranks and epochs: the
+training's global progress in batches (what a learning-rate schedule should follow when ranks step at different
+rates).
+
 The sampler has no ``__len__``: an epoch's length on a rank is only known at its end, so Lightning treats the loader
 as of unknown length and validates at epoch ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +52,10 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         drop_last: drop the last, smaller batch of an epoch.
         budget: batches over all ranks after which training ends (``None``: no limit, epochs run until Lightning's
             ``max_epochs``).
+        pace: returns every rank's current seconds per batch (``None`` or zeros while unmeasured); enables the
+            hand-over of an epoch's tail by a rank slower than ``tail_ratio`` x the fastest other rank.
+        tail_ratio: how much slower than the fastest other rank a rank must be before it may hand over (> 1, so
+            ranks of equal speed never do: they would only trade who waits).
 
     Example::
 
@@ -60,6 +74,8 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
         budget: int | None = None,
+        pace: Callable[[], Sequence[float] | None] | None = None,
+        tail_ratio: float = 1.25,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}; HINT: the DataLoader's batch_size per rank")
@@ -68,6 +84,11 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         if budget is not None and budget < 1:
             raise ValueError(
                 f"budget must be >= 1 batch or None, got {budget}; HINT: max_steps x world, or None for no limit"
+            )
+        if not tail_ratio > 1.0:
+            raise ValueError(
+                f"tail_ratio must be > 1, got {tail_ratio}; HINT: 1.25 lets only a rank 25% slower than the fastest "
+                "hand over an epoch's tail"
             )
         self.dataset_len = dataset_len
         self.batch_size = batch_size
@@ -78,6 +99,8 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.budget = budget
+        self.pace = pace
+        self.tail_ratio = tail_ratio
         full, rest = divmod(dataset_len, batch_size)
         self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
         if self.batches_per_epoch < world:
@@ -88,6 +111,8 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self.exhausted = False
         self.claimed = 0  # batches this rank trained on (over all epochs)
+        self.position = 0  # claim number (over all ranks and epochs) of the batch this rank last drew, plus one
+        self.handed_over = 0  # epochs whose tail this rank left to faster ranks
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -110,14 +135,38 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         batches = self._batches()
         per_epoch = self.batches_per_epoch
         start = self.epoch * per_epoch  # batches every earlier epoch used up (each ran until its queue was empty)
+        key = f"claim/e{self.epoch}"
         # The budget counts claims in order, so a batch is trained iff its claim number is below it.
         self.claimed += 1
+        self.position = start + self.rank + 1
         yield batches[self.rank]  # reserved: every rank trains at least once per epoch
-        while True:
-            index = self.world + int(self.store.add(f"claim/e{self.epoch}", 1)) - 1
+        while not self._hand_over(key, start):
+            index = self.world + int(self.store.add(key, 1)) - 1
             if index >= per_epoch or (self.budget is not None and start + index >= self.budget):
                 break
             self.claimed += 1
+            self.position = start + index + 1
             yield batches[index]
-        # Every rank ends this epoch; whether training is over depends only on the epoch and the budget.
-        self.exhausted = self.budget is not None and start + min(index, per_epoch) >= self.budget
+        # Every rank ends this epoch; whether training is over depends only on the epoch and the budget (the claims
+        # stop at the budget, so the epoch it falls in is the last), never on where this rank stopped claiming.
+        self.exhausted = self.budget is not None and start + per_epoch >= self.budget
+
+    def _hand_over(self, key: str, start: int) -> bool:
+        """Whether this rank stops claiming and leaves the rest of the epoch to the others: it is a straggler
+        (``tail_ratio``) and the others would drain what is left before it finished one more batch."""
+        times = self.pace() if self.pace is not None else None
+        if times is None or len(times) != self.world:
+            return False
+        mine = float(times[self.rank])
+        others = [float(t) for r, t in enumerate(times) if r != self.rank and t > 0]
+        if mine <= 0 or not others or mine < self.tail_ratio * min(others):
+            return False
+        end = self.batches_per_epoch if self.budget is None else min(self.batches_per_epoch, self.budget - start)
+        left = end - self.world - int(self.store.add(key, 0))  # unclaimed batches (add 0 reads the counter)
+        if left <= 0 or mine <= left / sum(1.0 / t for t in others):
+            return False  # nothing left to hand over, or this rank's next batch ends before the others drain the rest
+        # At most world - 1 ranks hand over an epoch's tail: the last to ask is refused and drains the queue.
+        if int(self.store.add(f"handover/e{self.epoch}", 1)) >= self.world:
+            return False
+        self.handed_over += 1
+        return True

@@ -181,6 +181,7 @@ class RoundExchange:
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
         self.numel = sum(t.numel() for t in params)
         self.stats = RoundStats()
+        self.step_times: list[float] | None = None  # every rank's mean seconds per step, from the last round delivered
         self.launched = 0  # rounds this rank has ended (and launched)
         self.delivered = 0  # rounds applied to this replica
         self._base = self.flat()
@@ -380,6 +381,7 @@ class RoundExchange:
         if self.recorder is not None:
             self.recorder.record_staleness(lag)
             self.recorder.record_blocking(nbytes, self.scope, 0.0)
+        self.step_times = per_rank[:, 2].tolist()
         ends = per_rank[:, 3].tolist()
         self._ends[rnd.index] = statistics.median(ends)
         times = [t for t in per_rank[:, 2].tolist() if t > 0]

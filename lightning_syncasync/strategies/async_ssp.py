@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -232,6 +233,7 @@ class AsyncSSPStrategy(
         self.planned_steps: int | None = None  # with claim_batches: the user's max_steps, now a budget over ranks
         self._claim_budget: int | None = None
         self._claim_fits = 0
+        self._claim_sampler: ClaimingBatchSampler | None = None
         self.sync_stats = StatsRecorder(mode="async")
         self.exchange: SSPExchange | None = None
         self.rounds: RoundExchange | None = None
@@ -278,6 +280,7 @@ class AsyncSSPStrategy(
             self.planned_steps = trainer.max_steps if trainer.max_steps > 0 else None
             trainer.fit_loop.epoch_loop.max_steps = -1  # the budget stops every rank at the same epoch end instead
             self._claim_fits += 1
+            follow_global_progress(module, self.lr_scheduler_configs, self._global_steps)
         compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
         buffers = [b for b in module.buffers() if b.is_floating_point()]
         if self.round_mode:
@@ -319,6 +322,11 @@ class AsyncSSPStrategy(
             self.exchange.load_state_dict(self._restored)
             self._restored = None
         self.exchange.start()
+
+    def _global_steps(self) -> int | None:
+        """Under ``claim_batches``: the steps DDP would have taken by now (batches claimed over all ranks / world)."""
+        sampler = self._claim_sampler
+        return None if sampler is None else -(-sampler.position // self.world_size)
 
     def _decide_claiming(self, trainer: pl.Trainer) -> bool:
         """``claim_batches`` for this fit: as set, or (``None``) on with rounds when the loop allows it."""
@@ -362,7 +370,10 @@ class AsyncSSPStrategy(
             seed=seed,
             drop_last=loader.drop_last,
             budget=self._claim_budget,
+            # A straggler leaves an epoch's tail to the fast ranks, so they do not wait for its last batch at the cut.
+            pace=lambda: self.rounds.step_times if self.rounds is not None else None,
         )
+        self._claim_sampler = sampler
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         return _ClaimingLoader(
             loader.dataset, batch_sampler=sampler, on_exhausted=lambda: setattr(trainer, "should_stop", True),
@@ -457,6 +468,9 @@ class AsyncSSPStrategy(
         if self.rounds is not None:
             self.rounds.close()
             self.rounds = None
+        if self.lightning_module is not None:
+            follow_global_progress(self.lightning_module, [], None)  # undone
+        self._claim_sampler = None
         if self.planned_steps is not None and self.lightning_module is not None:
             self.lightning_module.trainer.fit_loop.epoch_loop.max_steps = self.planned_steps  # as the user set it
             self.planned_steps = None
@@ -481,6 +495,36 @@ class _ClaimingLoader(DataLoader):
         yield from super().__iter__()
         if self.batch_sampler.exhausted:  # type: ignore[union-attr]
             self._on_exhausted()
+
+
+def follow_global_progress(
+    module: pl.LightningModule, configs: list[LRSchedulerConfig], steps: Callable[[], int | None] | None
+) -> None:
+    """Make the module's step-interval learning-rate schedulers follow global progress (``steps()``, the steps DDP
+    would have taken by now) rather than this rank's own steps; ``steps=None`` undoes it.
+
+    Why: under ``claim_batches`` a fast rank takes more steps than DDP's per-rank budget and a slow one fewer. A
+    schedule stepped per local step would run a fast rank to the end of its cosine (learning rate near 0) long before
+    the run ends, and leave the slow rank in its warm-up. Each call of Lightning's ``lr_scheduler_step`` instead steps
+    the scheduler as many times as the global step count has moved since (0, 1 or several), so every rank follows
+    one schedule in time. Schedulers without ``last_epoch`` (not torch's) are stepped as before.
+    """
+    if "lr_scheduler_step" in vars(module):
+        del module.lr_scheduler_step  # the module's own (or Lightning's default) method again
+    stepped = {id(c.scheduler) for c in configs if c.interval == "step"}
+    if steps is None or not stepped:
+        return
+    original = module.lr_scheduler_step
+
+    def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+        target, done = steps(), getattr(scheduler, "last_epoch", None)
+        if id(scheduler) not in stepped or target is None or not isinstance(done, int):
+            original(scheduler, metric)
+            return
+        for _ in range(target - done):
+            original(scheduler, metric)
+
+    module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
 
 
 def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:

@@ -52,10 +52,43 @@ def test_the_budget_ends_every_rank_in_the_same_epoch():
     assert all(s.exhausted for s in samplers)  # the same verdict on every rank
 
 
+def test_a_straggler_hands_over_the_tail_and_no_batch_is_lost():
+    # Rank 2 takes 3x as long per batch; it stops claiming once the two others would drain the rest sooner.
+    store = dist.HashStore()
+    times = [0.1, 0.1, 0.3]
+    samplers = [ClaimingBatchSampler(230, 10, r, 3, store, seed=1, pace=lambda: times) for r in range(3)]
+    got = _run_epoch(samplers, 0, pace=[3, 3, 1])
+    assert sorted(i for g in got for b in g for i in b) == list(range(230))
+    assert samplers[2].handed_over == 1 and samplers[0].handed_over == samplers[1].handed_over == 0
+    # Positions count claims over every rank: the last batch drawn anywhere is the epoch's last.
+    assert max(s.position for s in samplers) == 23
+
+
+def test_the_last_rank_to_ask_is_refused_so_the_queue_drains():
+    # Views that disagree (each rank believes it is the straggler) must still leave one rank draining the queue.
+    store = dist.HashStore()
+    samplers = [
+        ClaimingBatchSampler(
+            100, 10, r, 3, store, shuffle=False, pace=lambda r=r: [1.0 if q == r else 0.1 for q in range(3)]
+        )
+        for r in range(3)
+    ]
+    got = _run_epoch(samplers, 0, pace=[1, 1, 1])
+    assert sorted(i for g in got for b in g for i in b) == list(range(100))
+    assert sum(s.handed_over for s in samplers) == 2
+
+
+def test_ranks_of_equal_speed_never_hand_over():
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(100, 10, r, 2, store, pace=lambda: [0.1, 0.11]) for r in range(2)]
+    _run_epoch(samplers, 0, pace=[1, 1])
+    assert not any(s.handed_over for s in samplers)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"batch_size": 0}, "batch_size"), ({"rank": 2}, "rank"), ({"budget": 0}, "budget"),
-     ({"batch_size": 100}, "at least one batch per epoch")],
+     ({"batch_size": 100}, "at least one batch per epoch"), ({"tail_ratio": 1.0}, "tail_ratio")],
 )  # fmt: skip
 def test_bad_arguments(kwargs, match):
     args = {"dataset_len": 100, "batch_size": 10, "rank": 0, "world": 2, "store": dist.HashStore(), **kwargs}

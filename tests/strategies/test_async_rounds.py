@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ConstantGradModel, NaNAfterModel, TinyAdamModel
+from _models import ConstantGradModel, NaNAfterModel, ScheduledModel, TinyAdamModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -48,6 +48,7 @@ class Record(Callback):
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "local_steps": self.rounds[0],
                 "lags": self.rounds[1],
+                "schedule_steps": [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs],
             },
             Path(self.out) / f"rank{trainer.global_rank}.pt",
         )
@@ -80,6 +81,20 @@ def test_every_step_counts_once_and_the_fast_rank_takes_more_under_a_straggler(t
         assert torch.equal(r["final"], torch.full_like(r["final"], expected)), (r["final"][:3], expected)
         assert max(r["lags"]) <= 1  # the staleness bound, in rounds
     assert trainer.max_steps == 24  # given back as the user set it
+
+
+@pytest.mark.timeout(300)
+def test_learning_rate_schedules_follow_global_progress_under_claimed_batches(tmp_path):
+    # Rank 1 is 4x slower: rank 0 takes most of the 2 x 24 batches. Its schedule must not run out (lr 0) half-way
+    # while rank 1's lags: both follow the steps DDP would have taken, batches claimed over ranks / 2.
+    res, trainer = _fit(tmp_path, AsyncSSPStrategy(local_steps=4, start_method="fork"),
+                        ScheduledModel(slow_rank=1, delay=0.04, total=24), steps=24, limit_val_batches=0)  # fmt: skip
+    steps = [r["steps"] for r in res]
+    assert steps[0] > 1.5 * steps[1], steps
+    for r in res:
+        (done,) = r["schedule_steps"]
+        assert 24 - 3 <= done <= 24 + 1, (done, steps)  # the global count at the rank's last batch, not its own
+    assert "lr_scheduler_step" not in vars(trainer.lightning_module)  # the module is given back as it was
 
 
 @pytest.mark.timeout(300)
