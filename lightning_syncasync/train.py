@@ -171,11 +171,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
+def _searchpath_overrides(hc: Any) -> list[str]:
+    """The ``hydra.searchpath=[...]`` overrides of this job. They are Hydra overrides, not task overrides, so a child
+    given only the task overrides would not find the options of a user's own config folder (``experiment=mine``)."""
+    return [o for o in hc.overrides.hydra if o.split("=", 1)[0].lstrip("+~") == "hydra.searchpath"]
+
+
 def _run_multirun_job_in_child(cfg: DictConfig) -> dict[str, Any]:
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
-    cmd = [sys.executable, "-m", "lightning_syncasync.train", *hc.overrides.task]
-    cmd += [f"hydra.run.dir={output_dir}", f"hydra.job.name={hc.job.name}"]
+    cmd = [sys.executable, "-m", "lightning_syncasync.train", *_searchpath_overrides(hc), *hc.overrides.task]
+    # hydra.mode=RUN: a sweeper passes every command-line override on to each job, `hparams_search=optuna` included,
+    # whose `hydra.mode: MULTIRUN` would otherwise make the child start a sweep of its own.
+    cmd += [f"hydra.run.dir={output_dir}", f"hydra.job.name={hc.job.name}", "hydra.mode=RUN"]
     env = dict(os.environ, **{ENV_MULTIRUN_CHILD: "1"})
     # Fresh rendezvous port per job: a previous job's sockets may still be in TIME_WAIT.
     env.pop("MASTER_PORT", None)

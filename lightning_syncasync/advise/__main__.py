@@ -203,6 +203,11 @@ def _print_measurements(m: Measurements, notes: list[str]) -> None:
             f"  background inter-node all-reduce: {m.comm_cpu_s_per_byte * 1e9:.2f} s of this rank's compute per GB "
             "sent (measured CPU time over the compute's CPU share)"
         )
+    if m.codec_s_per_byte:
+        print(
+            f"  compression codec (int8 encode or decode, slowest rank): {m.codec_s_per_byte * 1e9:.2f} s per GB of "
+            "gradients (measured)"
+        )
     for note in notes:
         print(f"  {note}")
 

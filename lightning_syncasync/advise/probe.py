@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.advise.report import Measurements
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,9 @@ SMALL_BYTES = 4096
 # A step slower than (1 + PAUSE_THRESHOLD) x the rank's median counts as a pause (jitter), not as noise.
 PAUSE_THRESHOLD = 1.0
 # Per-rank figures gathered to rank 0, in this order (one float64 vector per rank).
-_FIELDS = ("median", "cv", "pause_p", "pause_f", "steps", "cpu_share", "t_intra_small", "t_intra_big",
-           "t_cross_small", "t_cross_big", "t_world_big", "cpu_cross_big")  # fmt: skip
-_LINK_FIELDS = _FIELDS[6:]
+_FIELDS = ("median", "cv", "pause_p", "pause_f", "steps", "cpu_share", "codec_s_per_byte", "t_intra_small",
+           "t_intra_big", "t_cross_small", "t_cross_big", "t_world_big", "cpu_cross_big")  # fmt: skip
+_LINK_FIELDS = _FIELDS[7:]
 
 
 def compose_config(overrides: list[str]) -> Any:
@@ -227,6 +228,20 @@ def comm_cpu_s_per_byte(cpu_s: list[float], cpu_share: list[float], shard_bytes:
     return statistics.median(per_rank) if per_rank else 0.0
 
 
+def codec_s_per_byte(grad_bytes: float, device: torch.device, reps: int) -> float:
+    """Wall seconds per gradient byte of one int8 encode or decode on this rank (the mean of the two), the cost
+    model's ``codec_s_per_byte``.
+
+    Why measured: compressed exchanges encode and decode inside the step, on the rank's own CPU share. On the
+    emulated 4-node LM (ranks capped at 0.375 cores) the uncalibrated model, which charged nothing for it, predicted
+    two-phase int8 at 53.5 samples/s where 21.7 were measured: about 1.8 s of codec work per step. int8 stands in for
+    the chunked codecs (int4 and sign do about the same passes over the tensor).
+    """
+    numel = max(1, int(grad_bytes) // 4)
+    enc, dec = Compressor("int8").time_codec(numel, reps=reps, device=device)
+    return (enc + dec) / 2 / grad_bytes
+
+
 def _link(t_small: float, t_big: float, k: int, nbytes: float) -> tuple[float, float]:
     """(alpha, beta) from ring all-reduce times over ``k`` ranks; ``nbytes`` is what the link carries."""
     alpha = t_small / (2 * (k - 1))
@@ -262,6 +277,9 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
         cpu: list[float] = [0.0, 0.0]
         stats = step_statistics(time_compute(model, loader, seconds, rank, device, cpu))
         stats["cpu_share"] = cpu[0] / cpu[1] if cpu[1] > 0 else 0.0
+        if distributed:
+            dist.barrier()  # every rank encodes at once, as in a compressed exchange
+        stats["codec_s_per_byte"] = codec_s_per_byte(grad_bytes, device, reps)
         if distributed:
             stats.update(measure_links(topo, grad_bytes, device, reps))
         else:
@@ -302,4 +320,6 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
     if n > 1 and not cuda:
         # On GPUs the copy engines and NCCL's kernels do this work, not the rank's CPU: left at 0 there.
         meas.comm_cpu_s_per_byte = comm_cpu_s_per_byte(col["cpu_cross_big"], col["cpu_share"], grad_bytes / m, n)
+    # A compressed collective waits for its slowest encoder: the maximum over ranks.
+    meas.codec_s_per_byte = max(col["codec_s_per_byte"])
     return meas

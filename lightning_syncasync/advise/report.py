@@ -62,6 +62,7 @@ class Measurements:
     inter_bytes_per_s: float | None = None
     flat_all_reduce_s: float | None = None
     comm_cpu_s_per_byte: float | None = None  # what a background inter-node exchange takes from compute, per byte
+    codec_s_per_byte: float | None = None  # wall seconds per gradient byte of an int8 encode/decode on the slowest rank
     links_assumed: bool = False
     workload: str = ""
     params: int = 0
@@ -193,6 +194,8 @@ def build_model(m: Measurements, params: dict[str, float] | None = None) -> Scal
                                                        "codec_s_per_byte")}  # fmt: skip
     if "comm_cpu_s_per_byte" not in fitted and m.comm_cpu_s_per_byte:
         fitted["comm_cpu_s_per_byte"] = m.comm_cpu_s_per_byte  # measured by the probe (advise/probe.py)
+    if "codec_s_per_byte" not in fitted and m.codec_s_per_byte:
+        fitted["codec_s_per_byte"] = m.codec_s_per_byte  # measured by the probe, unless --calibrate fitted it
     return ScalingModel(
         compute_s_per_sample=[t / m.batch_size for t in m.median_step_s], batch_size=m.batch_size,
         grad_bytes=m.grad_bytes, procs_per_node=m.procs_per_node, intra_link=intra, inter_link=inter,  # type: ignore[arg-type]

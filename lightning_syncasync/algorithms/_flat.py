@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 @torch.no_grad()
@@ -23,3 +24,20 @@ def copy_flat_(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+@torch.no_grad()
+def broadcast_flat_(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Make every tensor rank ``src``'s (a global rank), in place, with one broadcast per dtype.
+
+    Why flat: a broadcast per tensor is a collective per tensor, and on CPU ranks with a CPU quota each collective can
+    wait for a throttled peer's next quota period. At a cut of the MNIST convnet (10 parameter tensors, Adam's 30
+    state tensors) that was 40 collectives instead of 2.
+    """
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        copy_flat_(same, flat)

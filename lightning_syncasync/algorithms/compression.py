@@ -51,6 +51,8 @@ Everything is plain torch and runs on gloo and NCCL.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from typing import Any, Literal
 
 import torch
@@ -176,6 +178,37 @@ class Compressor:
                 f"backend does not provide (known to: {', '.join(ALL_TO_ALL_BACKENDS)}); HINT: "
                 "compression_options={'collective': 'allgather'} uses all-gather only"
             )
+
+    def time_codec(self, numel: int, reps: int = 3, device: torch.device | str = "cpu") -> tuple[float, float]:
+        """Median wall seconds of one encode (error feedback included) and one decode of a ``numel``-element
+        tensor with this method's codec, on this process and ``device``: what the cost model charges per byte
+        (``codec_s_per_byte``), measured where it runs, so a rank with a small CPU share shows its real cost.
+        No collective; the state of this compressor is left untouched."""
+        if self.method not in CHUNKED:
+            raise ValueError(f"time_codec times the chunked codecs {CHUNKED}, not {self.method!r}")
+        if numel < 1 or reps < 1:
+            raise ValueError(f"numel and reps must be >= 1, got {numel} and {reps}")
+        device = torch.device(device)
+        flat = torch.randn(numel, device=device)
+        residual = torch.zeros_like(flat)
+        enc, dec = [], []
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        for _ in range(reps + 1):  # the first is a warm-up (allocations)
+            sync()
+            t0 = time.perf_counter()
+            payload, own = self._encode(flat + residual)
+            residual = flat - own
+            sync()
+            t1 = time.perf_counter()
+            self._decode(payload, numel)
+            sync()
+            enc.append(t1 - t0)
+            dec.append(time.perf_counter() - t1)
+        return statistics.median(enc[1:]), statistics.median(dec[1:])
 
     def layout(self, world: int) -> str | None:
         """The layout an exchange over ``world`` ranks uses: ``"two_phase"`` or ``"allgather"`` for the chunked

@@ -2,6 +2,7 @@
 
 syncasync-bench --scenario slow_link --strategies ddp --quick --out bench_out
 syncasync-bench --scenario straggler --strategies baselines --repeats 3 --out bench_out
+syncasync-bench report --from docs/results --to docs/benchmarks.md   # docs regenerated from results files
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[syncasync-bench] %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        from lightning_syncasync.bench.publish import main as report_main
+
+        return report_main(argv[1:])
     if "--list" in argv:
         for s in SCENARIOS.values():
             print(f"scenario {s.name}: {s.description}")

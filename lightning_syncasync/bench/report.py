@@ -100,25 +100,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             emu = any_run.get("emulation") or {}
             lines += [f"Emulation: CPU {emu.get('cpu_mode')} shares {emu.get('cores_per_rank')}, "
                       f"netns={emu.get('netns')}.", ""]  # fmt: skip
-        lines += [
-            "| strategy | samples/s | ideal samples/s | efficiency | bounded efficiency | time to target (s) | final "
-            f"{any_run.get('val_metric_name')} | inter-node KB/step | wait % | sync points % | reached |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for strategy, s in by_strategy.items():
-            eff = s["efficiency"]
-            lines.append(
-                f"| {strategy} | {_fmt(s['samples_per_s'])}{_spread(s['samples_per_s_all'], '.0f')} "
-                f"| {_fmt(s['ideal_samples_per_s'])} "
-                f"| {_fmt(None if eff is None else 100 * eff, '.1f')}% "
-                f"| {_pct(s.get('bounded_efficiency'))} "
-                f"| {_fmt(s['time_to_target_s'])}{_spread(s['time_to_target_s_all'], '.1f')} "
-                f"| {_fmt(s['final_val_metric'], '.4f')}{_spread(s['final_val_metric_all'], '.4f')} "
-                f"| {_fmt(None if s['inter_node_bytes_per_step'] is None else s['inter_node_bytes_per_step'] / 1024)} "
-                f"| {_fmt(None if s['wait_frac'] is None else 100 * s['wait_frac'])} "
-                f"| {_pct(s.get('sync_point_frac'))} "
-                f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
-            )
+        lines += scenario_table(by_strategy)
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)
         lines += [""]
     lines += ["![throughput](throughput.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
@@ -127,6 +109,32 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def scenario_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
+    """The Markdown table of one scenario's contenders (medians, [min-max] over repeats), as ``report.md`` and the
+    generated docs show it."""
+    any_run = next(iter(by_strategy.values()))["runs"][0]
+    lines = [
+        "| strategy | samples/s | ideal samples/s | efficiency | bounded efficiency | time to target (s) | final "
+        f"{any_run.get('val_metric_name')} | inter-node KB/step | wait % | sync points % | reached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for strategy, s in by_strategy.items():
+        eff = s["efficiency"]
+        lines.append(
+            f"| {strategy} | {_fmt(s['samples_per_s'])}{_spread(s['samples_per_s_all'], '.0f')} "
+            f"| {_fmt(s['ideal_samples_per_s'])} "
+            f"| {_fmt(None if eff is None else 100 * eff, '.1f')}% "
+            f"| {_pct(s.get('bounded_efficiency'))} "
+            f"| {_fmt(s['time_to_target_s'])}{_spread(s['time_to_target_s_all'], '.1f')} "
+            f"| {_fmt(s['final_val_metric'], '.4f')}{_spread(s['final_val_metric_all'], '.4f')} "
+            f"| {_fmt(None if s['inter_node_bytes_per_step'] is None else s['inter_node_bytes_per_step'] / 1024)} "
+            f"| {_fmt(None if s['wait_frac'] is None else 100 * s['wait_frac'])} "
+            f"| {_pct(s.get('sync_point_frac'))} "
+            f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
+        )
+    return lines
 
 
 def _wire_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:

@@ -29,6 +29,8 @@ Workloads and what they mirror:
   a fast rank computes a step in 110-123 ms on its 0.375-core share (about 45 ms of one core), the 150 steps took
   33 s, and DDP ran at 75.7% of the limit, above the 63.4% a perfect synchronous run could reach at the ideal's
   per-rank speeds: its ranks computed 18% faster than the ideal's (``bound_error``), 64.0% of its own bound.
+* ``homogeneous_long``: the same workload on 4 equal ranks, no stragglers: what asynchronous training costs
+  where nothing waits (its overhead check).
 * ``hetero_slow_link``: the same workload on 2 nodes x 2 ranks with 100 Mbit/s between them, node 1 (ranks 2 and 3)
   1.5x slower by the same per-step pause as ``straggler``. DDP sends 88 KB per rank per step across the link (about
   14 ms of the node's 100 Mbit/s against 110-118 ms of compute on the fast node): the slow node, not the link,
@@ -217,6 +219,12 @@ SCENARIOS: dict[str, Scenario] = {
             nodes=1, procs_per_node=4, schedule="3:2@0.333-0.667", overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_CONV_MIRRORS,
+        ),
+        Scenario(
+            name="homogeneous_long",
+            description="4 ranks on one node, no stragglers (the async overhead check); MNIST-5k convnet, 16 epochs",
+            nodes=1, procs_per_node=4, overrides=_MNIST, steps=_MNIST_STEPS, quick_steps=_MNIST_QUICK_STEPS,
+            target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET, mirrors=_CONV_MIRRORS,
         ),
         Scenario(
             name="hetero_slow_link",

@@ -20,9 +20,9 @@ def broadcast_optimizer_state(optimizers: list[Any], src: int = 0) -> None:
     checked first, so a rank that has not stepped yet fails with a clear error instead of a mismatched collective.
     """
     import torch
-    import torch.distributed as dist
 
     from lightning_syncasync.algorithms._comm import check_same_on_every_rank
+    from lightning_syncasync.algorithms._flat import broadcast_flat_
 
     tensors = []
     layout = []
@@ -35,6 +35,4 @@ def broadcast_optimizer_state(optimizers: list[Any], src: int = 0) -> None:
                 tensors.append(state[key])
                 layout.append((k, i, key, tuple(state[key].shape), str(state[key].dtype)))
     check_same_on_every_rank("the optimizer state at a consistent cut", {"layout": layout})
-    with torch.no_grad():
-        for t in tensors:
-            dist.broadcast(t, src=src)
+    broadcast_flat_(tensors, src)

@@ -141,3 +141,13 @@ def test_state_of_another_method_is_refused():
 def test_integer_and_sparse_tensors_are_refused(tensor, match):
     with pytest.raises(ValueError, match=match):
         Compressor("int8").allreduce(tensor, None, key="k")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "sign"])
+def test_time_codec_measures_without_touching_the_state(method):
+    comp = Compressor(method, rounding="stochastic" if method != "sign" else "nearest")
+    enc, dec = comp.time_codec(10_000, reps=2)
+    assert enc > 0 and dec > 0
+    assert comp.calls == 0 and not comp.residuals  # a probe, not an exchange
+    with pytest.raises(ValueError, match="chunked"):
+        Compressor("powersgd").time_codec(10)

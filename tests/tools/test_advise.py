@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lightning_syncasync.advise.__main__ import main
 from lightning_syncasync.advise.report import (
@@ -162,6 +163,25 @@ def test_measured_background_cpu_cost_slows_hier_sync_and_a_fitted_value_wins():
     assert build_model(costly).comm_cpu_s_per_byte == 3e-8
 
 
+@pytest.mark.timeout(30)
+def test_a_measured_codec_cost_slows_the_compressed_exchanges_only():
+    from lightning_syncasync.advise.probe import codec_s_per_byte
+    from lightning_syncasync.advise.report import build_model
+
+    measured = codec_s_per_byte(4e5, torch.device("cpu"), reps=2)
+    assert 0 < measured < 1e-6  # an int8 pass over 100 k floats on this CPU: far under 0.1 s
+    free, costly = _meas(inter=12.5e6), _meas(inter=12.5e6)
+    costly.codec_s_per_byte = 4.6e-8  # what the 4-node LM's ranks at 0.375 cores spent (1.8 s/step for 13 MB x 3)
+    before = recommend(free).predictions
+    after = recommend(costly).predictions
+    assert (
+        build_model(costly).predict("ddp_int8", 4).samples_per_s
+        < 0.8 * build_model(free).predict("ddp_int8", 4).samples_per_s
+    )
+    assert after["ddp"].samples_per_s == before["ddp"].samples_per_s  # nothing compressed, nothing charged
+    assert build_model(costly, {"codec_s_per_byte": 0.0}).codec_s_per_byte == 0.0  # --calibrate's fit wins
+
+
 @pytest.mark.timeout(60)
 def test_two_gloo_processes_end_to_end(tmp_path):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
@@ -198,6 +218,8 @@ def test_two_gloo_processes_end_to_end(tmp_path):
     assert len(m["median_step_s"]) == 2 and min(m["median_step_s"]) > 0
     # The background all-reduce's CPU cost is measured on CPU ranks (gloo does the work in the rank's process).
     assert m["comm_cpu_s_per_byte"] > 0 and "background inter-node all-reduce:" in out
+    # So is the codec's: compressed exchanges encode and decode on the rank's own CPU, inside the step.
+    assert m["codec_s_per_byte"] > 0 and "compression codec (int8 encode or decode" in out
     rec = data["recommendation"]
     assert rec["strategy"] in CANDIDATES and set(rec["predictions"]) == set(CANDIDATES)
     assert {p["nodes"] for p in data["simulation"]} == {4, 64}

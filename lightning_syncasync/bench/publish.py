@@ -1,0 +1,240 @@
+"""Docs generated from committed benchmark results: ``syncasync-bench report --from docs/results --to
+docs/benchmarks.md --to README.md``.
+
+A Markdown file keeps its prose by hand and its figures from the results, between markers that regenerating
+rewrites (and nothing else)::
+
+    <!-- bench:table straggler_long_async.json -->      every scenario table of that results file
+    <!-- bench:end -->
+    <!-- bench:headline -->                            the best contender per scenario, over every results file
+    <!-- bench:end -->
+    <!-- bench:rows slow_link_compression.json -->      a file of flat rows (a study's own records), as a table
+    <!-- bench:end -->
+    <!-- bench:script collective_bytes.py collective_bytes.json -->   what ``python scripts/collective_bytes.py
+    <!-- bench:end -->                                   --table <from>/collective_bytes.json`` prints (a study script)
+
+A results file is a ``syncasync-bench`` folder's ``results.json`` copied into ``--from`` (any ``*.json`` there, or
+``<name>/results.json``, holding a list of bench records); re-running one scenario into it and regenerating
+updates that scenario's rows. ``--check`` writes nothing and fails when a file is stale, which is what the test
+suite runs, so a table that no longer matches its results cannot stay in the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_syncasync.bench.report import scenario_table, summarise
+
+_BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
+HEADLINE_FIGURE = "headline.png"
+
+
+def load_results(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """``{file name relative to folder: bench records}`` for every results file of bench records in ``folder``
+    (other JSON there, e.g. a study's own format, is left out)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted([*folder.glob("*.json"), *folder.glob("*/results.json")]):
+        data = json.loads(path.read_text())
+        if isinstance(data, list) and data and all(isinstance(r, dict) and "scenario" in r for r in data):
+            out[path.relative_to(folder).as_posix()] = data
+    return out
+
+
+def _commands(records: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["command"] for r in records if r.get("command")))
+
+
+def table_block(name: str, records: list[dict[str, Any]]) -> str:
+    """Every scenario of one results file: its table and the command(s) that measured it."""
+    lines: list[str] = []
+    table = summarise(records)
+    for scenario, by_strategy in table.items():
+        if len(table) > 1:
+            lines += [f"`{scenario}`:", ""]
+        lines += scenario_table(by_strategy) + [""]
+    cmds = _commands(records)
+    lines.append(f"Measured by {', '.join(f'`{c}`' for c in cmds) or 'an unrecorded command'} (records: `{name}`).")
+    return "\n".join(lines) + "\n"
+
+
+def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per scenario with a ``ddp`` row: the contender that reached the target soonest (median over repeats, among
+    those that reached it in most repeats), its speed-up over ``ddp``, its fraction of the no-communication limit
+    and its final metric against ``ddp``'s. A later file's records of a (scenario, strategy) replace an earlier's."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for name, records in results.items():
+        for rec in records:
+            merged[(rec["scenario"], rec["strategy"])] = {**rec, "_file": name}
+    per_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for name, records in results.items():
+        for rec in records:
+            if merged[(rec["scenario"], rec["strategy"])]["_file"] == name:
+                per_key.setdefault((rec["scenario"], rec["strategy"]), []).append(rec)
+    rows = []
+    for scenario, by_strategy in summarise([r for recs in per_key.values() for r in recs]).items():
+        ddp = by_strategy.get("ddp")
+        if ddp is None or ddp["time_to_target_s"] is None:
+            continue
+        reached = {
+            k: s
+            for k, s in by_strategy.items()
+            if s["time_to_target_s"] is not None and 2 * s["reached"] > len(s["runs"])
+        }
+        best_name = min(reached, key=lambda k: reached[k]["time_to_target_s"]) if reached else "ddp"
+        best = by_strategy[best_name]
+        gap = None
+        if best["final_val_metric"] is not None and ddp["final_val_metric"] is not None:
+            gap = best["final_val_metric"] - ddp["final_val_metric"]
+        rows.append(
+            {
+                "scenario": scenario,
+                "best": best_name,
+                "speedup": ddp["time_to_target_s"] / best["time_to_target_s"],
+                "efficiency": best["efficiency"],
+                "ddp_efficiency": ddp["efficiency"],
+                "gap_points": None if gap is None else 100 * gap,
+                "repeats": len(best["runs"]),
+                "metric": best["runs"][0].get("val_metric_name", "val metric"),
+                "file": merged[(scenario, best_name)]["_file"],
+            }
+        )
+    return rows
+
+
+def headline_block(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        "| scenario | best strategy | time to target vs `ddp` | fraction of the no-communication limit (`ddp`) "
+        "| final metric vs `ddp` | repeats | records |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in headline_rows(results):
+        eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
+        ddp_eff = "n/a" if r["ddp_efficiency"] is None else f"{100 * r['ddp_efficiency']:.1f}%"
+        gap = "n/a" if r["gap_points"] is None else f"{r['gap_points']:+.1f} points {r['metric']}"
+        lines.append(
+            f"| `{r['scenario']}` | `{r['best']}` | {r['speedup']:.2f}x sooner | {eff} ({ddp_eff}) | {gap} "
+            f"| {r['repeats']} | `{r['file']}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def rows_block(path: Path) -> str:
+    """A results file of flat rows (a list of dicts of numbers and strings) as a Markdown table, in file order."""
+    rows = json.loads(path.read_text())
+    if not (isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows)):
+        raise ValueError(f"{path} is not a list of rows; HINT: bench:rows renders a JSON list of flat objects")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "n/a"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + f"\n\nRecords: `{path.name}`.\n"
+
+
+def script_block(script: Path, data: Path) -> str:
+    """What a study script prints for ``--table data`` (its own Markdown, from its own results file)."""
+    if not script.is_file() or not data.is_file():
+        raise ValueError(
+            f"bench:script needs {script} and {data}; HINT: run from the repository root (scripts/ beside --from)"
+        )
+    done = subprocess.run(
+        [sys.executable, str(script), "--table", str(data)], capture_output=True, text=True, check=False, timeout=300
+    )
+    if done.returncode != 0:
+        raise ValueError(f"{script.name} --table {data} failed: {done.stderr.strip()[-500:]}")
+    return done.stdout.rstrip("\n") + "\n"
+
+
+def render(
+    text: str, results: dict[str, list[dict[str, Any]]], source: Path | None = None, scripts: Path | None = None
+) -> str:
+    """``text`` with every marked block regenerated from ``results`` (the bench records of ``source``; ``rows`` and
+    ``script`` blocks read their files from ``source`` and run ``scripts``' study scripts)."""
+
+    def block(m: re.Match[str]) -> str:
+        kind = m.group(2)
+        if kind == "headline":
+            body = headline_block(results)
+        elif kind.startswith(("rows ", "script ")):
+            if source is None or scripts is None:
+                raise ValueError(f"{kind}: needs the results folder and the scripts folder")
+            args = kind.split()
+            body = (
+                rows_block(source / args[1]) if args[0] == "rows" else script_block(scripts / args[1], source / args[2])
+            )
+        else:
+            name = kind.split(" ", 1)[1]
+            if name not in results:
+                raise ValueError(
+                    f"a bench:table marker names {name!r}, which is not a results file of bench records; HINT: "
+                    f"copy a bench folder's results.json there, or choose from {sorted(results)}"
+                )
+            body = table_block(name, results[name])
+        return m.group(1) + body + m.group(4)
+
+    return _BLOCK.sub(block, text)
+
+
+def write_headline_figure(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
+    """A bar chart of the headline's speed-ups over ``ddp`` (``None`` when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = headline_rows(results)
+    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.5 * max(1, len(rows))))
+    ax.barh([f"{r['scenario']}\n{r['best']}" for r in rows], [r["speedup"] for r in rows], color="tab:blue")
+    ax.axvline(1.0, color="grey", lw=1, ls="--")
+    ax.set_xlabel("time to target: ddp / best (x sooner)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: regenerating is reproducible
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="syncasync-bench report", description="regenerate docs from results files")
+    p.add_argument("--from", dest="source", required=True, help="folder of results files (e.g. docs/results)")
+    p.add_argument("--to", action="append", required=True, help="Markdown file with bench markers; repeatable")
+    p.add_argument("--figure", default=None, help=f"also write the headline figure here (e.g. docs/{HEADLINE_FIGURE})")
+    p.add_argument("--scripts", default="scripts", help="folder of the study scripts of bench:script blocks")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
+    args = p.parse_args(argv)
+    source = Path(args.source)
+    if not source.is_dir():
+        p.error(f"--from {source} is not a folder; HINT: the folder holding the results files, e.g. docs/results")
+    results = load_results(source)
+    stale = []
+    for target in map(Path, args.to):
+        if not target.exists():
+            p.error(f"--to {target} does not exist; HINT: create it with bench markers (see --help of this module)")
+        text = target.read_text()
+        try:
+            new = render(text, results, source, Path(args.scripts))
+        except ValueError as err:
+            p.error(str(err))
+        if new != text:
+            stale.append(str(target))
+            if not args.check:
+                target.write_text(new)
+    if args.figure and not args.check:
+        write_headline_figure(results, Path(args.figure))
+    if args.check and stale:
+        print(f"stale: {', '.join(stale)}; HINT: syncasync-bench report --from {source} --to FILE regenerates it")
+        return 1
+    print(f"regenerated: {', '.join(stale)}" if stale else "up to date")
+    return 0
