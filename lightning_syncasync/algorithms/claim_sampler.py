@@ -22,6 +22,13 @@ epoch then ends when the fast ranks are done, instead of their waiting for the s
 end (a consistent cut when validation follows). At most ``world - 1`` ranks may hand over an epoch's tail (a second
 store counter decides), so one rank always drains the queue and no batch is left untrained.
 
+With a ``budget`` (training continues past this epoch), a rank whose epoch queue is empty while another rank is
+still in the epoch (a paused rank finishing its batch) does not idle at the epoch end: it trains batches of the
+*next* epoch's queue (``borrow``) until every rank has arrived, then ends the epoch. The next epoch's counter already
+holds those claims, so each sample is still trained once per epoch; the epoch end (and its consistent cut) then
+costs about the last arrival's own batch instead of every rank waiting for it. A straggler (``tail_ratio``) does not
+borrow: its batch would keep the others waiting.
+
 :attr:`position` is the claim number of the batch this rank last drew, counted over all ranks and epochs: the
 training's global progress in batches (what a learning-rate schedule should follow when ranks step at different
 rates).
@@ -56,6 +63,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             hand-over of an epoch's tail by a rank slower than ``tail_ratio`` x the fastest other rank.
         tail_ratio: how much slower than the fastest other rank a rank must be before it may hand over (> 1, so
             ranks of equal speed never do: they would only trade who waits).
+        borrow: train batches of the next epoch while another rank is still in this one (needs ``budget``).
 
     Example::
 
@@ -76,6 +84,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         budget: int | None = None,
         pace: Callable[[], Sequence[float] | None] | None = None,
         tail_ratio: float = 1.25,
+        borrow: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}; HINT: the DataLoader's batch_size per rank")
@@ -101,6 +110,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         self.budget = budget
         self.pace = pace
         self.tail_ratio = tail_ratio
+        self.borrow = borrow
         full, rest = divmod(dataset_len, batch_size)
         self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
         if self.batches_per_epoch < world:
@@ -113,6 +123,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         self.claimed = 0  # batches this rank trained on (over all epochs)
         self.position = 0  # claim number (over all ranks and epochs) of the batch this rank last drew, plus one
         self.handed_over = 0  # epochs whose tail this rank left to faster ranks
+        self.borrowed = 0  # batches of a next epoch this rank trained while waiting for the others at an epoch end
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -122,10 +133,10 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         # Lightning's epoch hook calls ``loader.batch_sampler.sampler.set_epoch(epoch)``, not the batch sampler's.
         return self
 
-    def _batches(self) -> list[list[int]]:
+    def _batches(self, epoch: int | None = None) -> list[list[int]]:
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
             order = torch.randperm(self.dataset_len, generator=g).tolist()
         else:
             order = list(range(self.dataset_len))
@@ -150,17 +161,45 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         # Every rank ends this epoch; whether training is over depends only on the epoch and the budget (the claims
         # stop at the budget, so the epoch it falls in is the last), never on where this rank stopped claiming.
         self.exhausted = self.budget is not None and start + per_epoch >= self.budget
+        yield from self._borrow(start + per_epoch)
+
+    def _borrow(self, next_start: int) -> Iterator[list[int]]:
+        """Batches of the next epoch's queue while another rank has not reached this epoch's end (module docstring)."""
+        arrived_key = f"arrived/e{self.epoch}"
+        arrived = int(self.store.add(arrived_key, 1))
+        if not self.borrow or self.budget is None or self._straggler() is not None:
+            return
+        key, batches = f"claim/e{self.epoch + 1}", None
+        while arrived < self.world:
+            index = self.world + int(self.store.add(key, 1)) - 1
+            if index >= self.batches_per_epoch or next_start + index >= self.budget:
+                return  # the next epoch is used up (or the budget): nothing left to borrow
+            batches = batches or self._batches(self.epoch + 1)
+            self.claimed += 1
+            self.borrowed += 1
+            self.position = next_start + index + 1
+            yield batches[index]
+            arrived = int(self.store.add(arrived_key, 0))
+
+    def _straggler(self) -> tuple[float, list[float]] | None:
+        """``(this rank's seconds per batch, the others')`` when this rank is ``tail_ratio`` slower than the fastest
+        other rank, else ``None`` (also while unmeasured)."""
+        times = self.pace() if self.pace is not None else None
+        if times is None or len(times) != self.world:
+            return None
+        mine = float(times[self.rank])
+        others = [float(t) for r, t in enumerate(times) if r != self.rank and t > 0]
+        if mine <= 0 or not others or mine < self.tail_ratio * min(others):
+            return None
+        return mine, others
 
     def _hand_over(self, key: str, start: int) -> bool:
         """Whether this rank stops claiming and leaves the rest of the epoch to the others: it is a straggler
         (``tail_ratio``) and the others would drain what is left before it finished one more batch."""
-        times = self.pace() if self.pace is not None else None
-        if times is None or len(times) != self.world:
+        slow = self._straggler()
+        if slow is None:
             return False
-        mine = float(times[self.rank])
-        others = [float(t) for r, t in enumerate(times) if r != self.rank and t > 0]
-        if mine <= 0 or not others or mine < self.tail_ratio * min(others):
-            return False
+        mine, others = slow
         end = self.batches_per_epoch if self.budget is None else min(self.batches_per_epoch, self.budget - start)
         left = end - self.world - int(self.store.add(key, 0))  # unclaimed batches (add 0 reads the counter)
         if left <= 0 or mine <= left / sum(1.0 / t for t in others):

@@ -35,7 +35,10 @@ def check_outer(outer: str, outer_lr: float, outer_momentum: float, every: int =
             "'nesterov' DiLoCo's outer momentum, 'delayed_nesterov' the variant for rounds applied late"
         )
     if not outer_lr > 0:
-        raise ValueError(f"outer_lr must be > 0, got {outer_lr}; HINT: 1.0 with outer='average' is plain averaging")
+        raise ValueError(
+            f"outer_lr must be > 0, got {outer_lr}; HINT: 0.7 (DiLoCo's) for the Nesterov variants; outer='average' "
+            "ignores it"
+        )
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}; HINT: DiLoCo uses 0.9")
     if not isinstance(every, int) or every < 1:

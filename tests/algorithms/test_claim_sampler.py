@@ -42,7 +42,7 @@ def test_every_batch_once_and_the_fast_rank_takes_more():
 
 def test_the_budget_ends_every_rank_in_the_same_epoch():
     store = dist.HashStore()
-    samplers = [ClaimingBatchSampler(80, 10, r, 3, store, budget=13, shuffle=False) for r in range(3)]
+    samplers = [ClaimingBatchSampler(80, 10, r, 3, store, budget=13, shuffle=False, borrow=False) for r in range(3)]
     first = _run_epoch(samplers, 0, pace=[2, 1, 1])
     assert sum(len(g) for g in first) == 8 and not any(s.exhausted for s in samplers)
     second = _run_epoch(samplers, 1, pace=[1, 2, 1])
@@ -76,6 +76,49 @@ def test_the_last_rank_to_ask_is_refused_so_the_queue_drains():
     got = _run_epoch(samplers, 0, pace=[1, 1, 1])
     assert sorted(i for g in got for b in g for i in b) == list(range(100))
     assert sum(s.handed_over for s in samplers) == 2
+
+
+def test_a_rank_waiting_at_the_epoch_end_borrows_the_next_epoch_and_nothing_is_trained_twice():
+    # Rank 1 stalls (a pause) at the end of epoch 0: rank 0 trains batches of epoch 1 meanwhile, and epoch 1 then
+    # trains only the rest, so every sample of each epoch is trained exactly once.
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(100, 10, r, 2, store, seed=5, budget=20) for r in range(2)]
+    its = []
+    for s in samplers:
+        s.set_epoch(0)
+        its.append(iter(s))
+    got0, got1 = [next(its[0])], [next(its[1])]  # the reserved batches
+    while True:  # rank 0 drains epoch 0 while rank 1 is "paused"
+        batch = next(its[0], None)
+        got0.append(batch)
+        if samplers[0].borrowed:
+            break
+    borrowed = [got0.pop()]
+    for _ in range(3):  # rank 1 still paused: rank 0 keeps borrowing
+        borrowed.append(next(its[0]))
+    assert next(its[1], None) is None  # rank 1 resumes: the queue is empty, it arrives; rank 0 stops borrowing
+    assert next(its[0], None) is None
+    epoch0 = sorted(i for b in got0 + got1 for i in b)
+    assert epoch0 == list(range(100)) and samplers[0].borrowed == 4 and samplers[1].borrowed == 0
+    got = _run_epoch(samplers, 1, pace=[1, 1])
+    epoch1 = sorted(i for b in [*borrowed, *got[0], *got[1]] for i in b)
+    assert epoch1 == list(range(100))  # the borrowed batches were not trained again
+    assert all(s.exhausted for s in samplers)  # budget 20 = both epochs; no borrowing past it
+    assert not samplers[0].borrowed - 4 and not samplers[1].borrowed
+
+
+def test_without_a_budget_or_when_slow_a_rank_does_not_borrow():
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(100, 10, r, 2, store) for r in range(2)]
+    _run_epoch(samplers, 0, pace=[3, 1])
+    assert not any(s.borrowed for s in samplers)  # no budget: a next epoch may not exist
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(100, 10, r, 2, store, budget=100, pace=lambda: [0.3, 0.1]) for r in range(2)]
+    its = [iter(s) for s in samplers]
+    next(its[1])  # rank 1 (fast) holds its reserved batch; rank 0 (3x slower) drains and arrives first
+    while next(its[0], None) is not None:
+        pass
+    assert samplers[0].borrowed == 0
 
 
 def test_ranks_of_equal_speed_never_hand_over():

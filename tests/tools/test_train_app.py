@@ -77,6 +77,7 @@ def test_progress_bar_setting_resolves_to_a_bar_only_on_a_terminal(trainer_kwarg
     assert resolve_enable_progress_bar(trainer_kwargs, objects, stream=Stream()) is expected
 
 
+@pytest.mark.slow  # tests/examples runs a multirun over strategies (with a user's search path) in the default suite
 @pytest.mark.timeout(400)
 def test_multirun_over_strategies_gives_one_result_per_job(tmp_path):
     proc = _train(
