@@ -221,6 +221,12 @@ class ScalingModel:
         comm_cpu_s_per_byte: CPU seconds a rank spends per byte it sends in a *background* exchange (hier_sync,
             async_ssp), taken from its compute (calibrated; near 0 with GPU copy engines).
         codec_s_per_byte: encode/decode CPU seconds per gradient byte of compression (calibrated).
+
+    Example::
+
+        # 4 ranks per node, 0.02 s of compute per sample, 13 MB of gradients, 100 Mbit/s between nodes
+        model = ScalingModel(0.02, batch_size=16, grad_bytes=13e6, procs_per_node=4, inter_link=(1e-4, 12.5e6))
+        model.predict("hier_sync_int8", nodes=64).samples_per_s
     """
 
     def __init__(

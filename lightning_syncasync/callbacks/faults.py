@@ -67,6 +67,11 @@ class FaultInjector(Callback):
         rank: the global rank that fails.
         step: the global step (optimizer steps so far) at which it fails.
         seconds: for ``cut``: how long the link stays down.
+
+    Example::
+
+        # rank 1 is killed when it starts step 20 (tests and `syncasync-emulate --fault kill:1@20` use it)
+        trainer = L.Trainer(strategy="async_ssp", devices=2, callbacks=[FaultInjector("kill", rank=1, step=20)])
     """
 
     def __init__(self, kind: str, rank: int, step: int, seconds: float | None = None) -> None:

@@ -49,6 +49,10 @@ class PeerWatchdog(Callback):
         interval_s: heartbeat period (default ``min(1, timeout_s / 10)``).
         grace_s: after a verdict, how long the process may take to end by itself before it is ended.
         exit_code: the exit status of a process ended by the watchdog.
+
+    Example::
+
+        trainer = L.Trainer(strategy="hier_sync", devices=4, callbacks=[PeerWatchdog(timeout_s=60)])
     """
 
     def __init__(

@@ -120,6 +120,12 @@ class Classifier(LightningModule):
         train_acc: Training accuracy metric.
         val_acc: Validation accuracy metric.
         test_acc: Test accuracy metric.
+
+    Example::
+
+        model = Classifier(input_shape=[1, 28, 28], arch="convnet", depth=4, lr=1.6e-2, warmup_steps=25,
+                           schedule="cosine")
+        L.Trainer(max_steps=400).fit(model, datamodule=Mnist5kDataModule(batch_size=40))
     """
 
     def __init__(

@@ -28,6 +28,10 @@ class DigitsDataModule(_SplitDataModule):
         val_dataset: Validation ``TensorDataset`` (``None`` before ``setup()``).
         train_indices: Indices into ``load_digits()`` used for training (``None`` before ``setup()``).
         val_indices: Indices into ``load_digits()`` used for validation (``None`` before ``setup()``).
+
+    Example::
+
+        L.Trainer(devices=2, strategy="ddp", max_epochs=10).fit(Classifier(), datamodule=DigitsDataModule())
     """
 
     num_classes: int = 10

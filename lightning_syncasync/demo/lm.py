@@ -57,6 +57,10 @@ class TransformerLM(LightningModule):
         head: Output projection (weight tied to ``tok_emb.weight``).
         val_acc: Validation next-token accuracy metric.
         test_acc: Test next-token accuracy metric.
+
+    Example::
+
+        L.Trainer(max_steps=150).fit(TransformerLM(lr=3e-3, warmup_steps=10), datamodule=TextDataModule(batch_size=16))
     """
 
     def __init__(

@@ -40,6 +40,11 @@ class SyntheticDataModule(_SplitDataModule):
         input_shape: Shape of a single input (a copy of the constructor argument).
         train_dataset: Training ``TensorDataset`` (``None`` before ``setup()``).
         val_dataset: Validation ``TensorDataset`` (``None`` before ``setup()``).
+
+    Example::
+
+        data = SyntheticDataModule(num_samples=65536, input_shape=[3, 32, 32], batch_size=128)
+        L.Trainer(max_steps=200).fit(Classifier(input_shape=[3, 32, 32], arch="convnet"), datamodule=data)
     """
 
     def __init__(

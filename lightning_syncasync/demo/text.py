@@ -46,6 +46,10 @@ class TextDataModule(_SplitDataModule):
         corpus: The encoded corpus (``None`` before ``setup()``).
         train_dataset: Training ``TensorDataset`` of ``(x, y)`` windows (``None`` before ``setup()``).
         val_dataset: Validation ``TensorDataset`` of ``(x, y)`` windows (``None`` before ``setup()``).
+
+    Example::
+
+        L.Trainer(max_steps=150).fit(TransformerLM(), datamodule=TextDataModule(seq_len=64, batch_size=16))
     """
 
     vocab_size: int = 256

@@ -101,6 +101,11 @@ class EmulatedCluster:
         echo_rank0: copy rank 0's output to this process's stdout.
         fault: a fault to inject, ``KIND:RANK@STEP[+SECONDS]`` (``kill``, ``stop``, ``raise``, ``cut``; see
             :mod:`lightning_syncasync.callbacks.faults`), passed to every rank as ``SYNCASYNC_FAULT``.
+
+    Example::
+
+        cluster = EmulatedCluster(nodes=2, procs_per_node=2, link_mbit=100, stragglers={3: 1.5})
+        report = cluster.run(["syncasync-train", "strategy=hier_sync", "trainer.num_nodes=2", "trainer.devices=2"])
     """
 
     def __init__(

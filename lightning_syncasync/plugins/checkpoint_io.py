@@ -38,7 +38,12 @@ def _is_local(path: _PATH) -> bool:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Durable, atomic local checkpoint writes and safe, explained loads (see the module docstring)."""
+    """Durable, atomic local checkpoint writes and safe, explained loads (see the module docstring).
+
+    Example::
+
+        trainer = L.Trainer(strategy="ddp", devices=2, plugins=[AtomicCheckpointIO()])  # ours use it already
+    """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
