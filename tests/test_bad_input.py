@@ -319,7 +319,7 @@ CASES: list[Case] = [
     Case("ssp-outer", "strategy async_ssp", "AsyncSSPStrategy(outer='adam')",
          lambda: AsyncSSPStrategy(outer="adam"), ValueError, r"outer must be one of", r"HINT: 'average' is plain"),
     Case("ssp-outer-lr", "strategy async_ssp", "AsyncSSPStrategy(outer_lr=0)",
-         lambda: AsyncSSPStrategy(outer_lr=0.0), ValueError, r"outer_lr must be > 0", r"HINT: 1.0"),
+         lambda: AsyncSSPStrategy(outer_lr=0.0), ValueError, r"outer_lr must be > 0", r"HINT: 0.7 \(DiLoCo.s\)"),
     Case("ssp-outer-momentum", "strategy async_ssp", "AsyncSSPStrategy(outer_momentum=1.0)",
          lambda: AsyncSSPStrategy(outer_momentum=1.0), ValueError, r"outer_momentum must be in \[0, 1\)",
          r"HINT: DiLoCo uses 0.9"),
