@@ -8,9 +8,7 @@ only fires once ranks run is not in the table.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import os
 import re
 import sys
@@ -24,6 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
+from _commands import CommandFailed, run_main
 from _host import deepspeed_cpu_fp16
 from _models import ManualTwoOptimizersModel, TinyModel
 from hydra import compose, initialize_config_module
@@ -93,14 +92,6 @@ class Case:
     when: str = CONSTRUCTION
 
 
-class CommandFailed(Exception):
-    """A command-line tool exited with a non-zero status; the message is its error output."""
-
-    def __init__(self, code: object, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class TrainingStarted(AssertionError):
     """Raised instead of the first training batch: the setting was not rejected in time."""
 
@@ -109,19 +100,7 @@ class TrainingStarted(AssertionError):
 
 
 def _command(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
-    """Run a console script's ``main`` here; a non-zero exit raises :class:`CommandFailed` with its error line."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            result = main(list(argv))
-        except SystemExit as exit_:
-            result = exit_.code
-    code = result if isinstance(result, int) else 0
-    if code == 0:
-        return
-    lines = err.getvalue().strip().splitlines()
-    first = next((i for i, line in enumerate(lines) if ": error:" in line), 0)
-    raise CommandFailed(code, "\n".join(lines[first:]))
+    run_main(main, argv)
 
 
 def _emulate(*argv: str) -> Callable[[], None]:

@@ -71,10 +71,12 @@ def _check_survivors(res: dict, strategy: str, lost: int, label: str, bound_s: f
 KILL_CASES = [("ddp", "none"), ("hier_sync", "none"), ("async_ssp", "none"), ("auto_sync", "none"),
               ("ddp_measured", "int8"), ("hier_sync", "int8"), ("async_ssp", "int8"),
               ("auto_sync", "int8")]  # fmt: skip
-# The default run (CI: under 15 minutes on 2 cores) keeps one case per compression path and async_ssp; the rest run
-# with `-m slow` (about 15 s each).
+# The default run (CI: under 15 minutes on 2 cores) keeps one case per compression path and async_ssp (plain ddp's
+# watchdog is in the default run through the store-host and raising-rank tests below); the rest run with `-m slow`
+# (about 15 s each).
 _SLOW = pytest.mark.slow
-_SLOW_KILLS = {("hier_sync", "none"), ("auto_sync", "none"), ("async_ssp", "int8"), ("auto_sync", "int8")}
+_SLOW_KILLS = {("ddp", "none"), ("hier_sync", "none"), ("auto_sync", "none"), ("async_ssp", "int8"),
+               ("auto_sync", "int8")}  # fmt: skip
 KILL_PARAMS = [pytest.param(s, c, marks=_SLOW) if (s, c) in _SLOW_KILLS else (s, c) for s, c in KILL_CASES]
 HUNG_PARAMS = [pytest.param(s, marks=_SLOW) if s != "async_ssp" else s
                for s in ("ddp", "hier_sync", "async_ssp", "auto_sync")]  # fmt: skip

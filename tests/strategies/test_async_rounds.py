@@ -91,9 +91,12 @@ def test_learning_rate_schedules_follow_global_progress_under_claimed_batches(tm
                         ScheduledModel(slow_rank=1, delay=0.04, total=24), steps=24, limit_val_batches=0)  # fmt: skip
     steps = [r["steps"] for r in res]
     assert steps[0] > 1.5 * steps[1], steps
-    for r in res:
-        (done,) = r["schedule_steps"]
-        assert 24 - 3 <= done <= 24 + 1, (done, steps)  # the global count at the rank's last batch, not its own
+    (fast,), (slow,) = (r["schedule_steps"] for r in res)
+    # Each schedule stands at the global count (claimed / 2) of the rank's last batch, not at the rank's own count.
+    # The fast rank claims the last batches, so it ends near the 24 DDP would take; the slow one hands its epoch
+    # tails over, so its last batch comes earlier, but still far past its own 10-odd steps.
+    assert 24 - 3 <= fast <= 24 + 1, (fast, steps)
+    assert 1.5 * steps[1] <= slow <= 24 + 1, (slow, steps)
     assert "lr_scheduler_step" not in vars(trainer.lightning_module)  # the module is given back as it was
 
 

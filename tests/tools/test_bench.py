@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from _commands import CommandFailed, run_main
 
+from lightning_syncasync.bench.__main__ import main as bench_main
 from lightning_syncasync.bench.report import merge_results, summarise, write_report
 from lightning_syncasync.bench.runner import BASELINES, resolve_contenders
 
@@ -63,19 +65,23 @@ def test_contenders_resolve_from_files_and_baselines():
     ],
 )
 def test_bad_input_is_rejected_before_running(tmp_path, args, message):
-    proc = subprocess.run([*BENCH, *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+    with pytest.raises(CommandFailed) as failed:
+        run_main(bench_main, [*args, "--out", str(tmp_path)])
+    assert failed.value.code == 2
+    assert message in str(failed.value)
+    assert not any(tmp_path.iterdir())  # nothing ran
 
 
 @pytest.mark.timeout(120)
 def test_a_spawn_contender_is_refused_before_anything_runs(tmp_path):
     # The emulator starts one process per rank; a _spawn strategy would start its own again (gloo EADDRINUSE).
     args = ["--scenario", "smoke", "--strategies", "ddp,hier_sync_spawn", "--out", str(tmp_path)]
-    proc = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "contender 'hier_sync_spawn'" in proc.stderr and "trainer.strategy='hier_sync_spawn'" in proc.stderr
-    assert "HINT: use 'hier_sync' (the emulator starts one process per rank)" in proc.stderr
+    with pytest.raises(CommandFailed) as failed:
+        run_main(bench_main, args)
+    message = str(failed.value)
+    assert failed.value.code == 2, message
+    assert "contender 'hier_sync_spawn'" in message and "trainer.strategy='hier_sync_spawn'" in message
+    assert "HINT: use 'hier_sync' (the emulator starts one process per rank)" in message
     assert not (tmp_path / "smoke").exists()  # not even ddp or the ideal run started
 
 

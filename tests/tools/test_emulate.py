@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from _commands import CommandFailed, run_main
 
 from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.emulate import EmulatedCluster, EmulatedNetwork, EmulationUnavailable
 from lightning_syncasync.emulate import network as network_mod
+from lightning_syncasync.emulate.__main__ import main as emulate_main
 from lightning_syncasync.emulate.cgroups import cgroup_cpu_root
 
 EMULATE = [sys.executable, "-m", "lightning_syncasync.emulate"]
@@ -191,7 +193,7 @@ def test_without_root_the_error_says_what_to_do(monkeypatch):
 )
 def test_bad_input_is_rejected_before_anything_starts(args, message):
     tail = [] if not args or args == [] else ["--", "true"]
-    proc = subprocess.run([*EMULATE, "--nodes", "2", "--procs-per-node", "2", *args, *tail],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2
-    assert message in proc.stderr
+    with pytest.raises(CommandFailed) as failed:
+        run_main(emulate_main, ["--nodes", "2", "--procs-per-node", "2", *args, *tail])
+    assert failed.value.code == 2
+    assert message in str(failed.value)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _commands import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -70,12 +69,10 @@ def test_train_lines_compose(command):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", _by_tool("syncasync-cli"))
-def test_cli_lines_parse_and_print_their_config(command, tmp_path):
-    args = shlex.split(command)[1:]
-    cmd = [sys.executable, "-c", "from lightning_syncasync.cli import main; main()", *args, "--print_config"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "strategy" in proc.stdout and "model" in proc.stdout
+def test_cli_lines_parse_and_print_their_config(command, monkeypatch):
+    monkeypatch.chdir(ROOT)  # where the README's relative paths (examples/...) start
+    printed = run_cli(*shlex.split(command)[1:], "--print_config")
+    assert "strategy" in printed and "model" in printed
 
 
 @pytest.mark.parametrize("command", _by_tool("torchrun "))

@@ -99,11 +99,10 @@ def test_multirun_over_strategies_gives_one_result_per_job(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [("trainer.devices=0", "trainer.devices"), ("strategy=nope", "nope"), ("model.depth=0", "depth")],
-)
-def test_bad_input_fails_before_training_with_a_named_setting(tmp_path, override, message):
+def test_bad_input_fails_before_training_with_a_named_setting(tmp_path):
+    # The exit path, once, as a user's shell sees it; each bad setting's message (trainer.devices=0, model.depth=0,
+    # ...) is checked in this process by tests/test_bad_input.py.
+    override, message = "strategy=nope", "nope"
     proc = _train(tmp_path, override, timeout=100)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
