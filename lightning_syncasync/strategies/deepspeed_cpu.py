@@ -152,6 +152,12 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
+        # DeepSpeed's CPU comm backend JIT-compiles a shared-memory all-reduce kernel (`deepspeed_shm_comm`: 20 s of
+        # g++ on a fast core, on the first run of every machine) that only its inference all-reduce (AutoTP) uses;
+        # ZeRO training reduces through torch.distributed. Marked incompatible, it is neither built nor loaded.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self._init_deepspeed_distributed()
 
     @override

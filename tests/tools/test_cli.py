@@ -123,7 +123,7 @@ def test_bad_input_is_rejected_with_the_setting_named(args, message):
             # The default run fits examples/cli_config.yaml (async_ssp by class path with init_args) instead.
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             [
                 "--trainer.strategy=lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
                 "--trainer.strategy.init_args.mode=async",
@@ -131,6 +131,7 @@ def test_bad_input_is_rejected_with_the_setting_named(args, message):
                 "--trainer.strategy.init_args.start_method=spawn",
             ],
             ("async",),
+            marks=pytest.mark.slow,  # examples/cli_config.yaml fits by class path; hier_sync_by_name stays
         ),
     ],
     ids=["hier_sync_by_name", "async_ssp_with_arguments", "auto_sync_with_arguments"],

@@ -101,7 +101,9 @@ def test_inter_node_link_is_rate_limited(tmp_path):
     # 2 nodes x 1 rank at 16 Mbit/s (2 MB/s): a 2 MB all-reduce moves >= 1 MB each way, so >= 0.5 s by physics.
     here = str(Path(__file__).parent)
     script = (
-        f"import os, sys; sys.path.insert(0, {here!r}); from test_emulate import _allreduce_seconds; "
+        # tests/ too: test_emulate imports the shared helpers (_commands) from there.
+        f"import os, sys; sys.path[:0] = [{here!r}, {str(Path(here).parent)!r}]; "
+        "from test_emulate import _allreduce_seconds; "
         "print('SECONDS', _allreduce_seconds(int(os.environ['RANK']), 2, 2_000_000))"
     )
     cluster = EmulatedCluster(nodes=2, procs_per_node=1, link_mbit=16, log_dir=tmp_path, echo_rank0=False)

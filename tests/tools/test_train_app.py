@@ -44,6 +44,7 @@ def test_default_job_reaches_95_percent_reports_ddp_bytes_and_wait_and_ends_with
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.slow  # the default run checks the summary's place without a bar (the default job above)
 @pytest.mark.timeout(300)
 def test_an_asked_for_bar_in_a_log_file_ends_before_the_summary(tmp_path):
     proc = _train(tmp_path, "trainer.max_epochs=1", "trainer.enable_progress_bar=true")
