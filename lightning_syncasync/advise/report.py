@@ -122,8 +122,9 @@ class Thresholds:
         settings_tolerance: among a strategy's settings, the least stale within this of the best is chosen.
         allow_async: let the flow recommend async_ssp (its round mode, the default). Off by default, like
             ``SyncSwitcher(allow_async=False)``: per-step async learned less per sample on every benchmark scenario;
-            round-level async reached the ``straggler_long`` target 1.22x sooner than DDP by the median of 3 seeds
-            but 0.84x in one of them, and the model predicts throughput only.
+            round-level async reached the target 1.30x (``straggler_long``) and 1.95x (``jitter_long``) sooner than
+            DDP by the median of 3 seeds but missed it in one seed of each, and on ``hetero_slow_link`` it was 1.04x
+            where ``ddp_adaptive_batch`` was 1.43x; the model predicts throughput only.
         local_sgd_steps: steps to a target of ``hier_sync``/``hier_sync_int8`` (and ``auto_sync`` predicted to
             settle in ``hier``) relative to DDP's; the ranking divides their predicted throughput by it. Measured
             on the slow_link LM, full budget: hier_sync crossed 0.34 at step 113 and hier_sync_int8 at 108 against
@@ -281,8 +282,9 @@ def recommend(
         )
     if not th.allow_async:
         flow.append(
-            "|- async_ssp left out (--allow-async to consider it): its rounds reached the target 1.22x sooner than DDP "
-            "on straggler_long, but not in every seed (README)"
+            "|- async_ssp left out (--allow-async to consider it): its rounds reached the target 1.30x and 1.95x "
+            "sooner than DDP on straggler_long and jitter_long but in 2 of 3 seeds, and 1.04x on hetero_slow_link, "
+            "where ddp_adaptive_batch was 1.43x (docs/benchmarks.md)"
         )
     if n == 1:
         bw_text = "n/a (one node)"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_syncasync.bench.__main__ import main as bench_main
-from lightning_syncasync.bench.publish import headline_rows, render
+from lightning_syncasync.bench.publish import headline_block, headline_rows, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +35,13 @@ def test_headline_picks_the_soonest_contender_that_reached_in_most_repeats():
     (row,) = headline_rows({"a.json": records})
     assert row["best"] == "async_ssp" and row["speedup"] == pytest.approx(41.0 / 31.0)
     assert row["gap_points"] == pytest.approx(-0.2) and row["file"] == "a.json"
+    assert (row["reached"], row["repeats"]) == (3, 3)
+    # A winner that missed the target in one repeat says so beside its speed-up.
+    records[3]["time_to_target_s"] = None
+    assert "| 2/3 |" in headline_block({"a.json": records})
+    # A --quick run ranks nothing, however soon it got there.
+    quick = [{**_rec(s, 0, 1.0, 0.97, 0.9, scenario="homogeneous_long"), "quick": True} for s in ("ddp", "fast")]
+    assert [r["scenario"] for r in headline_rows({"a.json": records, "b.json": quick})] == ["straggler_long"]
 
 
 def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_path):
