@@ -38,12 +38,13 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str]) -> str:
     raise CommandFailed(code, "\n".join(lines[first:]))
 
 
-def run_cli(*args: str) -> str:
-    """``syncasync-cli ARGS`` in this process, for what ends before a Trainer runs (parsing, ``--print_config``):
-    its stdout, or :class:`CommandFailed` with its error output."""
+def run_cli(*args: str, run: bool = True) -> str:
+    """``syncasync-cli ARGS`` in this process, for what ends before a Trainer runs (parsing, ``--print_config``;
+    ``run=False`` parses and instantiates without a subcommand, as ``fit`` does first): its stdout, or
+    :class:`CommandFailed` with its error output."""
     from unittest import mock
 
     from lightning_syncasync.cli import build_cli
 
     with mock.patch.object(sys, "argv", ["syncasync-cli"]):  # pytest's own arguments are not the CLI's
-        return run_main(lambda argv: build_cli(args=argv), args)
+        return run_main(lambda argv: build_cli(args=argv, run=run), args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ from unittest import mock
 
 import pytest
 import torch
-from _commands import CommandFailed, run_main
+from _commands import CommandFailed, run_cli, run_main
 from _host import deepspeed_cpu_fp16
 from _models import ManualTwoOptimizersModel, TinyModel
 from hydra import compose, initialize_config_module
@@ -42,7 +41,6 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.costmodel import ScalingModel
 from lightning_syncasync.bench.__main__ import main as bench_main
 from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor, SyncSwitcher
-from lightning_syncasync.cli import build_cli
 from lightning_syncasync.emulate import network as network_mod
 from lightning_syncasync.emulate.__main__ import main as emulate_main
 from lightning_syncasync.strategies import check_strategy_name
@@ -99,12 +97,8 @@ class TrainingStarted(AssertionError):
 # -- how a user reaches each surface ----------------------------------------------------------------------------------
 
 
-def _command(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
-    run_main(main, argv)
-
-
 def _emulate(*argv: str) -> Callable[[], None]:
-    return lambda: _command(emulate_main, ["--nodes", "2", "--procs-per-node", "2", *argv])
+    return lambda: run_main(emulate_main, ["--nodes", "2", "--procs-per-node", "2", *argv])
 
 
 def _emulate_without_root() -> None:
@@ -115,17 +109,17 @@ def _emulate_without_root() -> None:
         mock.patch.object(network_mod.shutil, "which", return_value="/usr/sbin/ip"),
     ):
         argv = ["--nodes", "2", "--procs-per-node", "1", "--link-mbit", "100", "--no-cgroups", "--log-dir", logs]
-        _command(emulate_main, [*argv, "--", "true"])
+        run_main(emulate_main, [*argv, "--", "true"])
 
 
 def _advise(*argv: str) -> Callable[[], None]:
-    return lambda: _command(advise_main, list(argv))
+    return lambda: run_main(advise_main, list(argv))
 
 
 def _bench(*argv: str) -> Callable[[], None]:
     def attempt() -> None:
         with tempfile.TemporaryDirectory() as out:
-            _command(bench_main, [*argv, "--out", out])
+            run_main(bench_main, [*argv, "--out", out])
 
     return attempt
 
@@ -134,11 +128,7 @@ def _lightning_cli(*args: str) -> Callable[[], None]:
     """``syncasync-cli fit ARGS`` up to the Trainer (``run=False`` parses and instantiates, as ``fit`` does first)."""
     base = ["--trainer.logger=false", "--trainer.enable_checkpointing=false"]
 
-    def attempt() -> None:
-        with mock.patch.object(sys, "argv", ["syncasync-cli"]):  # pytest's own arguments are not the CLI's
-            _command(lambda argv: build_cli(args=argv, run=False), [*base, *args])
-
-    return attempt
+    return lambda: run_cli(*base, *args, run=False)
 
 
 def _train_app(*overrides: str) -> Callable[[], None]:
