@@ -82,6 +82,8 @@ class _Open:
     last_completion: float | None = None
     staleness: list[float] = field(default_factory=list)
     clock_gap: float = 0.0
+    # (start, end) of checkpoint saves since the previous step closed: not part of any step's time.
+    paused: list[tuple[float, float]] = field(default_factory=list)
 
 
 class StatsRecorder:
@@ -120,6 +122,9 @@ class StatsRecorder:
         # outside the training step: epoch ends, metric reductions, validation), where every rank waits for the
         # slowest. Already inside the steps' wall time; kept apart to show what they cost.
         self.sync_point_s = 0.0
+        # Whole-run seconds spent saving checkpoints. Like validation, a save happens between steps and how often it
+        # happens is a choice of the run, so it is kept out of the steps' wall time (and their samples/s).
+        self.checkpoint_s = 0.0
 
     def __getstate__(self) -> dict:
         # Strategies are pickled to spawned processes; a lock cannot travel, a fresh one is made on arrival.
@@ -163,6 +168,16 @@ class StatsRecorder:
         with self._lock:
             self.sync_point_s += max(0.0, seconds)
 
+    def record_checkpoint(self, start: float, end: float) -> None:
+        """Record a checkpoint save that ran from ``start`` to ``end`` (``time.perf_counter()`` stamps). Its time is
+        left out of the step it falls in (a save between steps falls in the next one, which starts at the previous
+        step's end) and added to :attr:`checkpoint_s`."""
+        if end < start:
+            raise ValueError(f"a checkpoint save cannot end ({end}) before it starts ({start})")
+        with self._lock:
+            self.checkpoint_s += end - start
+            self._open.paused.append((start, end))
+
     def record_launch(self, nbytes: int, scope: Scope, at: float | None = None) -> None:
         """Record the launch of an overlapped collective (its completion is recorded by :meth:`record_completion`)."""
         _check(nbytes, scope)
@@ -202,7 +217,9 @@ class StatsRecorder:
         now = time.perf_counter()
         with self._lock:
             cur = self._open
-            wall = max(now - cur.start, 0.0) if self._in_step else 0.0
+            # Only the part of a save inside this step's window is taken out (begin_step may set the start later).
+            paused = sum(max(0.0, min(end, now) - max(start, cur.start)) for start, end in cur.paused)
+            wall = max(now - cur.start - paused, 0.0) if self._in_step else 0.0
             overlap_tail = 0.0
             if cur.last_launch is not None and cur.last_completion is not None:
                 overlap_tail = max(0.0, cur.last_completion - cur.last_launch)

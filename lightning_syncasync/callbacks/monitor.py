@@ -47,6 +47,8 @@ _FIELDS = (
     "optimizer_state_mb",
     # Seconds at the sync points of asynchronous training (StatsRecorder.sync_point_s): 0 for synchronous modes.
     "sync_point_s",
+    # Seconds spent saving checkpoints (StatsRecorder.checkpoint_s): outside the steps, like validation.
+    "checkpoint_s",
 )
 
 
@@ -119,8 +121,11 @@ class SyncMonitor(Callback):
         self.events.append({"kind": kind, "step": step, "train_s": self._train_s(), **fields})
 
     def _train_s(self) -> float:
-        # Time since fit started without the time spent validating (0 before fit).
-        return time.perf_counter() - self._fit_start - self._val_total_s if self._fit_start else 0.0
+        # Time since fit started without the time spent validating and saving checkpoints (0 before fit).
+        if not self._fit_start:
+            return 0.0
+        saving = self._recorder.checkpoint_s if self._recorder is not None else 0.0
+        return time.perf_counter() - self._fit_start - self._val_total_s - saving
 
     @property
     def recorder(self) -> StatsRecorder | None:
@@ -262,7 +267,11 @@ class SyncMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._recorder is None:
             return
-        memory = {**_memory(trainer), "sync_point_s": self._recorder.sync_point_s}
+        memory = {
+            **_memory(trainer),
+            "sync_point_s": self._recorder.sync_point_s,
+            "checkpoint_s": self._recorder.checkpoint_s,
+        }
         local = [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS]
         gathered = torch.tensor(gather_rows(trainer, local), dtype=torch.float64)
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
@@ -427,6 +436,7 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
                 "optimizer_state_mb": r["optimizer_state_mb"],
                 "sync_point_s": r["sync_point_s"],
                 "sync_point_frac": r["sync_point_s"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
+                "checkpoint_s": r["checkpoint_s"],
             }
         )
     n = len(ranks)
@@ -453,6 +463,7 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
         "cuda_peak_mb": max(r["cuda_peak_mb"] for r in ranks),
         "optimizer_state_mb": max(r["optimizer_state_mb"] for r in ranks),
         "sync_point_frac": mean("sync_point_frac"),
+        "checkpoint_s": max(r["checkpoint_s"] for r in ranks),
         "ranks": ranks,
     }
 

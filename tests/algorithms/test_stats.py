@@ -92,12 +92,34 @@ def test_history_is_bounded():
     assert [s.step for s in rec.history] == [2, 3, 4]
 
 
+def test_checkpoint_saves_are_left_out_of_the_step_they_fall_in():
+    rec = StatsRecorder()
+    rec.begin_step()
+    rec.end_step(0, 1)
+    t0 = time.perf_counter()
+    time.sleep(0.05)  # a save between steps: before the next step begins, after the previous one ended
+    rec.record_checkpoint(t0, time.perf_counter())
+    rec.begin_step(at=t0)  # the monitor starts a step at the previous step's end
+    time.sleep(0.02)
+    s = rec.end_step(1, 8)
+    assert 0.015 <= s.wall_s < 0.045  # the 20 ms of the step, not the 50 ms save
+    assert rec.checkpoint_s == pytest.approx(0.05, abs=0.02)
+    # Only the part of a save inside the step's window comes out: one that ended before the step began costs nothing.
+    t1 = time.perf_counter()
+    rec.record_checkpoint(t1 - 1.0, t1 - 0.5)
+    rec.begin_step(at=t1)
+    time.sleep(0.02)
+    assert rec.end_step(2, 8).wall_s >= 0.015
+    assert rec.checkpoint_s == pytest.approx(0.55, abs=0.02)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
         (lambda r: r.record_blocking(-1, "intra", 0.0), "nbytes"),
         (lambda r: r.record_launch(1, "between", None), "scope"),
         (lambda r: r.record_staleness(-1), "staleness"),
+        (lambda r: r.record_checkpoint(2.0, 1.0), "cannot end"),
     ],
 )
 def test_bad_records_are_rejected(call, match):

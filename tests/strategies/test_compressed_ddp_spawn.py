@@ -198,3 +198,34 @@ def test_onebit_adam_under_ddp_measured_stops_gradient_traffic_after_warmup(tmp_
     for rank in summary["ranks"]:
         # 3 warm-up steps of fp32 gradients, then 5 steps of 1-bit momenta (3 chunks of 256 bits + 3 scales).
         assert rank["bytes_intra_per_step"] * 8 == pytest.approx(3 * PARAM_BYTES + 5 * (96 + 12))
+
+
+@pytest.mark.timeout(300)
+def test_two_saves_at_one_step_gather_the_residuals_once(tmp_path, monkeypatch):
+    # ModelCheckpoint with save_last saves twice per step (the step's file and last.ckpt). The residuals gather (a
+    # model's worth of fp32 from every rank) runs once for both; the forked ranks inherit the counting wrapper.
+    from lightning_syncasync.strategies import measured_ddp
+
+    original = measured_ddp.all_gather_state
+
+    def counted(state, group=None):
+        import torch.distributed as dist
+
+        with open(tmp_path / f"gathers{dist.get_rank()}", "a") as fh:
+            fh.write("1\n")
+        return original(state, group)
+
+    monkeypatch.setattr(measured_ddp, "all_gather_state", counted)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, save_last=True)
+    _, summary = _fit(tmp_path / "run", MeasuredDDPStrategy(compression="int8", start_method="fork"), callbacks=[ckpt])
+    for r in range(2):
+        assert (tmp_path / f"gathers{r}").read_text().count("1") == 2  # steps 4 and 8, not 4 saves
+    at_8 = torch.load(tmp_path / "ckpt" / "epoch=0-step=8.ckpt", weights_only=True)["syncasync_compression"]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["syncasync_compression"]
+    at_4 = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=True)["syncasync_compression"]
+    for a, b, c in zip(at_8["ranks"], last["ranks"], at_4["ranks"], strict=True):
+        assert a["steps"] == b["steps"] == 8 and c["steps"] == 4
+        for i in a["residuals"]:
+            torch.testing.assert_close(a["residuals"][i], b["residuals"][i])
+            assert not torch.equal(a["residuals"][i], c["residuals"][i])  # step 8's state, not step 4's reused
+    assert summary["checkpoint_s"] > 0
