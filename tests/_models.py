@@ -281,3 +281,26 @@ class TinyAdamModel(TinyLoggingModel):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class ShardedTinyModel(TinyModel):
+    """TinyModel that shards itself with FSDP2 over ``device_mesh["data_parallel"]`` when a model-parallel strategy
+    gives it a mesh (Lightning's ModelParallelStrategy: every rank; hier_sync_sharded: the node), and stays a plain
+    module otherwise (so the replicated strategies train the same module)."""
+
+    def configure_model(self):
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (self.net[0], self.net[2]):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self, mesh=mesh["data_parallel"])
+
+
+class ShardedTinyAdamModel(ShardedTinyModel):
+    """ShardedTinyModel trained with Adam (optimizer state to shard)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)

@@ -45,6 +45,9 @@ _FIELDS = (
     "peak_rss_mb",
     "cuda_peak_mb",
     "optimizer_state_mb",
+    # Bytes of parameters and gradients this rank holds at the end of fit (its shards under FSDP2).
+    "param_mb",
+    "grad_mb",
     # Seconds at the sync points of asynchronous training (StatsRecorder.sync_point_s): 0 for synchronous modes.
     "sync_point_s",
     # Seconds spent saving checkpoints (StatsRecorder.checkpoint_s): outside the steps, like validation.
@@ -366,7 +369,22 @@ def _memory(trainer: pl.Trainer) -> dict[str, float]:
         rss = 0.0
     cuda = torch.cuda.max_memory_allocated() / mib if torch.cuda.is_available() and torch.cuda.is_initialized() else 0.0
     state = sum(_optimizer_state_bytes(opt) for opt in trainer.optimizers) / mib
-    return {"peak_rss_mb": rss, "cuda_peak_mb": cuda, "optimizer_state_mb": state}
+    params = list(trainer.lightning_module.parameters()) if trainer.lightning_module is not None else []
+    return {
+        "peak_rss_mb": rss,
+        "cuda_peak_mb": cuda,
+        "optimizer_state_mb": state,
+        "param_mb": sum(_local_bytes(p) for p in params) / mib,
+        "grad_mb": sum(_local_bytes(p.grad) for p in params if p.grad is not None) / mib,
+    }
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t``: its local shard when ``t`` is a DTensor (FSDP2), whose ``numel`` is the
+    global tensor's."""
+    local = getattr(t, "_local_tensor", None)  # DTensor.to_local() without the autograd wrapper
+    t = local if isinstance(local, torch.Tensor) else t
+    return t.numel() * t.element_size()
 
 
 def _optimizer_state_bytes(optimizer: Any) -> int:
@@ -382,8 +400,9 @@ def _optimizer_state_bytes(optimizer: Any) -> int:
     state = getattr(optimizer, "state", None)
     if not isinstance(state, dict):
         return 0
+    # Local bytes: under FSDP2 the moments are DTensors, of which this rank holds a shard.
     return sum(
-        v.numel() * v.element_size()
+        _local_bytes(v)
         for per_param in state.values()
         if isinstance(per_param, dict)
         for v in per_param.values()
@@ -434,6 +453,10 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
                 "peak_rss_mb": r["peak_rss_mb"],
                 "cuda_peak_mb": r["cuda_peak_mb"],
                 "optimizer_state_mb": r["optimizer_state_mb"],
+                "param_mb": r["param_mb"],
+                "grad_mb": r["grad_mb"],
+                # What the rank holds of the model's training state: parameters + gradients + optimizer state.
+                "model_state_mb": r["param_mb"] + r["grad_mb"] + r["optimizer_state_mb"],
                 "sync_point_s": r["sync_point_s"],
                 "sync_point_frac": r["sync_point_s"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
                 "checkpoint_s": r["checkpoint_s"],
@@ -462,6 +485,7 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "cuda_peak_mb": max(r["cuda_peak_mb"] for r in ranks),
         "optimizer_state_mb": max(r["optimizer_state_mb"] for r in ranks),
+        "model_state_mb": max(r["model_state_mb"] for r in ranks),
         "sync_point_frac": mean("sync_point_frac"),
         "checkpoint_s": max(r["checkpoint_s"] for r in ranks),
         "ranks": ranks,
