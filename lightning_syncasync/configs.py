@@ -172,6 +172,7 @@ def _schemas() -> dict[str, type]:
     from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
     from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
     from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
+    from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
     from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
     # DDPStrategy forwards **kwargs to torch's DistributedDataParallel; these are the ones users tune.
@@ -199,6 +200,7 @@ def _schemas() -> dict[str, type]:
             HierSyncStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
         ),
+        "strategy/hier_sync_sharded": builds(ShardedHierSyncStrategy),
         "strategy/async_ssp": builds(
             AsyncSSPStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None)},  # noqa: UP045

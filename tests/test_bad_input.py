@@ -48,6 +48,7 @@ from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
+from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bad_input.md"
@@ -276,6 +277,15 @@ CASES: list[Case] = [
          "HierSyncStrategy(compression_options={'chunk_size': 64})",
          lambda: HierSyncStrategy(compression_options={"chunk_size": 64}), ValueError,
          r"compression_options=.* given with compression='none'", r"HINT: set compression"),
+    # strategy hier_sync_sharded
+    Case("sharded-one-rank-per-node", "strategy hier_sync_sharded", "ShardedHierSyncStrategy(node_size=1)",
+         lambda: ShardedHierSyncStrategy(node_size=1), ValueError, r"node_size=1 leaves one rank per node",
+         r"HINT: use hier_sync \(replicas\)"),
+    Case("sharded-start-method", "strategy hier_sync_sharded", "ShardedHierSyncStrategy(start_method='thread')",
+         lambda: ShardedHierSyncStrategy(start_method="thread"), ValueError, r"start_method must be one of",
+         r"HINT: 'fork'"),
+    Case("sharded-inter-period", "strategy hier_sync_sharded", "ShardedHierSyncStrategy(inter_period=0)",
+         lambda: ShardedHierSyncStrategy(inter_period=0), ValueError, r"inter_period", r"HINT: 1 averages"),
     # strategy async_ssp
     Case("ssp-staleness", "strategy async_ssp", "AsyncSSPStrategy(staleness=-1)",
          lambda: AsyncSSPStrategy(staleness=-1), ValueError, r"staleness", r"HINT: 0 is synchronous"),

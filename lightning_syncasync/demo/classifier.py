@@ -18,6 +18,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_syncasync.demo._shard import shard_if_meshed
+
 _ARCHS = ("mlp", "convnet")
 _OPTIMIZERS = ("adam", "sgd", "adamw")
 _SCHEDULES = ("constant", "cosine")
@@ -323,6 +325,11 @@ class Classifier(LightningModule):
         """
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         return self(x).argmax(dim=-1)
+
+    def configure_model(self) -> None:
+        """Shard with FSDP2 when the strategy gives a device mesh (``hier_sync_sharded``, ``ModelParallelStrategy``):
+        each layer with parameters is its own unit."""
+        shard_if_meshed(self, [m for m in self.net if any(True for _ in m.parameters(recurse=False))])
 
     def configure_optimizers(self) -> Any:
         """Create the configured optimizer, with a per-step learning-rate schedule when one is configured.

@@ -15,6 +15,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_syncasync.demo._shard import shard_if_meshed
+
 
 class LinearWarmup:
     """Learning-rate multiplier that ramps linearly from ``1 / warmup_steps`` to 1 over ``warmup_steps`` steps.
@@ -244,6 +246,11 @@ class TransformerLM(LightningModule):
         self.log("test_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         self.log("test_ppl", torch.exp(loss), on_step=False, on_epoch=True, sync_dist=True)
         self.log("test_acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def configure_model(self) -> None:
+        """Shard with FSDP2 when the strategy gives a device mesh (``hier_sync_sharded``, ``ModelParallelStrategy``):
+        each encoder layer is its own unit; the embeddings, norm and tied head go with the root."""
+        shard_if_meshed(self, self.blocks.layers)
 
     def configure_optimizers(self) -> Any:
         """AdamW (or 1-bit Adam) with decay on matrices/embeddings only, plus optional per-step linear warmup.

@@ -57,6 +57,11 @@ STRATEGIES: list[StrategyEntry] = [
         {"virtual_nodes": 2},
     ),
     *_with_spawn(
+        "hier_sync_sharded",
+        "lightning_syncasync.strategies.hier_sync_sharded.ShardedHierSyncStrategy",
+        "hier_sync for models that do not fit one device: FSDP2 shards inside each node, averaging across nodes",
+    ),
+    *_with_spawn(
         "async_ssp",
         "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
         "asynchronous training with Stale Synchronous Parallel bounded staleness",

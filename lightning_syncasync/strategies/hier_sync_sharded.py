@@ -50,6 +50,7 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import check_same_on_every_rank, destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_compression_options, check_node_size
@@ -197,9 +198,13 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        assert self.lightning_module is not None
+        # FSDP's own traffic inside the node (parameter all-gathers, gradient reduce-scatters), in the same record
+        # as the averager's cross-node rounds.
+        measure_fsdp_collectives(self.lightning_module, self.sync_stats, scope="intra")
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        assert self.topology is not None and self.lightning_module is not None
+        assert self.topology is not None
         self.averager = DelayedAverager(
             self._local_shards(),
             cross_group=self._cross_group,

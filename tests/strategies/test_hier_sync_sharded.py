@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ShardedTinyAdamModel, ShardedTinyModel
+from _models import ShardedTinyAdamModel, ShardedTinyModel, TinyModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -15,6 +15,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_syncasync.callbacks import SyncMonitor
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
 from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy, _MergedWeightsLauncher
+
+PARAM_BYTES = sum(p.numel() * 4 for p in ShardedTinyModel().parameters())
 
 
 class _ForkedFSDP(ModelParallelStrategy):
@@ -36,6 +38,9 @@ class RecordFullParams(Callback):
         self.steps.append(torch.cat([p.detach().reshape(-1) for p in full]))
 
     def on_train_end(self, trainer, pl_module):
+        # After the strategy's final merge, which runs before any user hook: the model a user's on_train_end sees.
+        final = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
+        self.steps.append(torch.cat([p.detach().reshape(-1) for p in final]))
         torch.save(self.steps, Path(self.out) / f"rank{trainer.global_rank}.pt")
 
 
@@ -50,8 +55,9 @@ def _fit(out: Path, strategy, model_cls=ShardedTinyModel, steps: int = 6, ckpt_p
     torch.manual_seed(0)
     model = model_cls()
     trainer.fit(model, ckpt_path=ckpt_path)
-    steps_by_rank = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    return steps_by_rank, json.loads((out / "summary.json").read_text()), model
+    saved = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    _fit.final = [s[-1] for s in saved]  # what on_train_end saw, per rank
+    return [s[:-1] for s in saved], json.loads((out / "summary.json").read_text()), model
 
 
 @pytest.mark.timeout(300)
@@ -68,18 +74,27 @@ def test_every_step_average_equals_fsdp_over_all_ranks(tmp_path):
     # The main process gets the merged model back from the forked ranks.
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(final, ours[0][-1])
-    assert summary["ranks"][0]["bytes_inter_per_step"] > 0
+    for rank in summary["ranks"]:
+        # Measured by SyncMonitor: inside the node FSDP's all-gather of this rank's half of the parameters and the
+        # reduce-scatter of the whole gradient; across nodes the averager's round of the half, every step here.
+        assert rank["bytes_intra_per_step"] == PARAM_BYTES // 2 + PARAM_BYTES
+        assert rank["bytes_inter_per_step"] == PARAM_BYTES // 2
 
 
 @pytest.mark.timeout(300)
 def test_sharded_matches_replicated_hier_sync_and_holds_half_the_state(tmp_path):
     # Rounds every 2 steps, applied a step late: the node models drift apart between rounds, as in hier_sync.
     settings = {"virtual_nodes": 2, "inter_period": 2, "max_delay": 1, "start_method": "fork"}
-    replicated, rep_summary, _ = _fit(tmp_path / "rep", HierSyncStrategy(**settings), ShardedTinyAdamModel)
-    sharded, sh_summary, _ = _fit(tmp_path / "sh", ShardedHierSyncStrategy(**settings), ShardedTinyAdamModel)
+    replicated, rep_summary, _ = _fit(tmp_path / "rep", HierSyncStrategy(**settings), ShardedTinyAdamModel, steps=8)
+    sharded, sh_summary, _ = _fit(tmp_path / "sh", ShardedHierSyncStrategy(**settings), ShardedTinyAdamModel, steps=8)
     for r in range(4):
         for got, want in zip(sharded[r], replicated[r], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # The nodes had drifted apart since the last round (step 6 launched it, applied at 7; step 8 trained apart), and
+    # on_train_end sees them merged: one model on every rank.
+    assert not torch.allclose(sharded[0][-1], sharded[2][-1])
+    for r in range(1, 4):
+        torch.testing.assert_close(_fit.final[r], _fit.final[0])
     # Parameters, gradients and Adam's moments: each rank holds its half of the node's model (the bound:
     # at most 1/2 + 10% of the replicated rank's).
     for rep, sh in zip(rep_summary["ranks"], sh_summary["ranks"], strict=True):
@@ -121,3 +136,47 @@ def test_resume_from_a_distributed_checkpoint_is_exact(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ShardedHierSyncStrategy(**kwargs)
+
+
+class _NotSharded(TinyModel):
+    def configure_model(self):
+        pass  # overridden (Lightning insists) but shards nothing: a plain replica on every rank
+
+
+class _NoParams(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.ReLU())
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])  # what a user would write; nothing to shard
+
+    def training_step(self, batch, batch_idx):
+        return batch[0].sum() * 0.0
+
+    def configure_optimizers(self):
+        return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("devices", "model_cls", "match"),
+    [
+        # 2 ranks as 2 virtual nodes: one rank per node, nothing to shard over.
+        (2, ShardedTinyModel, r"one rank per node, with nothing to shard over; HINT: use hier_sync \(replicas\)"),
+        # A module whose configure_model does not shard (a plain replica on every rank).
+        (4, _NotSharded, r"are not sharded over the node .*HINT: in configure_model call fully_shard"),
+        (4, _NoParams, r"has no parameters to shard; HINT"),
+    ],
+    ids=["one-rank-per-node", "not-sharded", "no-parameters"],
+)
+def test_bad_layouts_fail_at_setup_on_every_rank(tmp_path, devices, model_cls, match):
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, max_steps=2, logger=False, default_root_dir=tmp_path,
+        strategy=ShardedHierSyncStrategy(virtual_nodes=2, start_method="fork"),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(Exception, match=match):
+        trainer.fit(model_cls())
