@@ -21,7 +21,7 @@ from dataclasses import field, make_dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 _PRIMITIVES = (int, float, str, bool)
 
@@ -151,7 +151,7 @@ def _schemas() -> dict[str, type]:
     """``schema/<group>/<name>`` -> dataclass. Imported lazily: building them imports Lightning and the demos."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar, TQDMProgressBar
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_syncasync.callbacks import (
         AdaptiveBatchSize,
@@ -201,6 +201,11 @@ def _schemas() -> dict[str, type]:
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
         ),
         "strategy/hier_sync_sharded": builds(ShardedHierSyncStrategy),
+        "strategy/fsdp": builds(
+            ModelParallelStrategy,
+            exclude=("data_parallel_size", "tensor_parallel_size"),
+            extra={"data_parallel_size": (Any, "auto"), "tensor_parallel_size": (Any, 1)},
+        ),
         "strategy/async_ssp": builds(
             AsyncSSPStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None)},  # noqa: UP045
@@ -227,9 +232,21 @@ def _schemas() -> dict[str, type]:
     }
 
 
+def _ranks(num_nodes: Any, devices: Any) -> int:
+    if not isinstance(devices, int) or isinstance(devices, bool) or not isinstance(num_nodes, int):
+        raise ValueError(
+            f"strategy=fsdp needs trainer.devices and trainer.num_nodes as counts to size its mesh, got devices="
+            f"{devices!r}, num_nodes={num_nodes!r}; HINT: set trainer.devices=4 (or strategy.data_parallel_size)"
+        )
+    return num_nodes * devices
+
+
 def register_configs(cs: ConfigStore | None = None) -> None:
     """Store :class:`TrainConfig` as ``train_schema`` and every object schema under ``schema/<group>/<name>``."""
     cs = ConfigStore.instance() if cs is None else cs
+    # ${syncasync_ranks:${trainer.num_nodes},${trainer.devices}}: the world size, for settings that need it
+    # (strategy=fsdp's data_parallel_size: Lightning's ModelParallelStrategy shards over data_parallel_size ranks).
+    OmegaConf.register_new_resolver("syncasync_ranks", _ranks, replace=True)
     cs.store(name="train_schema", node=TrainConfig)
     for path, schema in _schemas().items():
         group, name = path.split("/")

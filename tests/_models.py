@@ -289,14 +289,9 @@ class ShardedTinyModel(TinyModel):
     module otherwise (so the replicated strategies train the same module)."""
 
     def configure_model(self):
-        mesh = getattr(self, "_device_mesh", None)
-        if mesh is None:
-            return
-        from torch.distributed.fsdp import fully_shard
+        from lightning_syncasync.demo._shard import shard_if_meshed
 
-        for layer in (self.net[0], self.net[2]):
-            fully_shard(layer, mesh=mesh["data_parallel"])
-        fully_shard(self, mesh=mesh["data_parallel"])
+        shard_if_meshed(self, (self.net[0], self.net[2]))
 
 
 class ShardedTinyAdamModel(ShardedTinyModel):

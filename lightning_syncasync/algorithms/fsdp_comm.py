@@ -22,9 +22,15 @@ except ImportError:  # pragma: no cover - torch versions before the custom-comm 
     DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
 
 
-def measure_fsdp_collectives(module: torch.nn.Module, recorder: StatsRecorder, scope: Scope = "intra") -> int:
+def measure_fsdp_collectives(
+    module: torch.nn.Module, recorder: StatsRecorder, scope: Scope = "intra", hsdp: bool = False
+) -> int:
     """Route every FSDP unit of ``module`` through measured all-gathers and reduce-scatters; returns how many units
-    were found (0 when ``module`` is not sharded or this torch lacks the API)."""
+    were found (0 when ``module`` is not sharded or this torch lacks the API).
+
+    With ``hsdp`` (FSDP2 on a 2-D mesh: sharded inside the node, replicated across) each unit also all-reduces its
+    reduce-scattered gradient shard across the replicas; FSDP2 calls the all-reduce hook with that shard once it is
+    reduced, and its bytes count as inter-node traffic."""
     if DefaultAllGather is None:
         return 0
     from torch.distributed.fsdp import FSDPModule
@@ -33,6 +39,8 @@ def measure_fsdp_collectives(module: torch.nn.Module, recorder: StatsRecorder, s
     for unit in units:
         unit.set_custom_all_gather(_MeasuredAllGather(recorder, scope))
         unit.set_custom_reduce_scatter(_MeasuredReduceScatter(recorder, scope))
+        if hsdp:
+            unit.set_all_reduce_hook(lambda shard: recorder.record_blocking(_bytes(shard), "inter", 0.0))
     return len(units)
 
 

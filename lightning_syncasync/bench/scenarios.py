@@ -9,6 +9,12 @@ Workloads and what they mirror:
 * ``slow_link`` / ``homogeneous``: the transformer LM demo (3.2 M parameters, 12.7 MB of fp32 gradients per step)
   on 2 nodes x 2 ranks of 0.45 cores each. At 100 Mbit/s a flat all-reduce takes a few times the step's compute:
   the ratio of a GPU cluster training a few-hundred-million-parameter model over 10 GbE.
+* ``slow_link_sharded``: ``slow_link``'s cluster and workload, for the strategies that shard the model with FSDP2
+  (the LM shards itself when its strategy gives it a device mesh): Lightning's ``ModelParallelStrategy`` over every
+  rank (``fsdp``, which all-gathers parameters and reduce-scatters gradients across the slow link every step), FSDP2's
+  HSDP (``hsdp``: sharded inside the node, gradient shards all-reduced across it every step) and
+  ``hier_sync_sharded`` (sharded inside the node, node models averaged across it every few steps). The replicated
+  strategies train the same module unsharded, so ``slow_link``'s figures compare directly.
 * ``straggler`` / ``jitter`` / ``mid_run_straggler``: a small convnet (75 k parameters) on the digits upsampled to
   32x32, batch 128 per rank: much compute per byte, so without stragglers DDP runs near the no-communication limit
   (measured 96.7%), as data-parallel convnets do on a fast network; what remains is the cost of waiting for the
@@ -176,6 +182,13 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             name="slow_link",
             description="2 nodes x 2 ranks, 100 Mbit/s between nodes, transformer LM",
+            nodes=2, procs_per_node=2, link_mbit=100.0, overrides=_LM, steps=150, quick_steps=40, target=0.34,
+            quick_target=0.27, mirrors=_LM_MIRRORS,
+        ),
+        Scenario(
+            name="slow_link_sharded",
+            description="2 nodes x 2 ranks, 100 Mbit/s between nodes, transformer LM sharded with FSDP2 (inside each "
+            "node, or over every rank for the fsdp anchor)",
             nodes=2, procs_per_node=2, link_mbit=100.0, overrides=_LM, steps=150, quick_steps=40, target=0.34,
             quick_target=0.27, mirrors=_LM_MIRRORS,
         ),

@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_syncasync.algorithms._comm import all_gather_flat, collective_device
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
-from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
+from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +44,16 @@ def stats_recorder(trainer: pl.Trainer) -> StatsRecorder:
     _ATTACHED[strategy] = recorder
     model = strategy.model
     if isinstance(strategy, DDPStrategy) and isinstance(model, DistributedDataParallel):
-        # The flat all-reduce crosses node boundaries as soon as there is more than one node.
-        scope = "inter" if trainer.num_nodes > 1 else "intra"
         try:
-            MeasuredAllReduce(recorder, scope=scope, process_group=model.process_group).register(model)
+            MeasuredAllReduce(recorder, scope=scope_of(trainer), process_group=model.process_group).register(model)
         except RuntimeError as err:
             # DDP accepts one comm hook per module; on CUDA Lightning may already have registered the user's.
             rank_zero_warn(
                 f"SyncMonitor could not measure DDP communication ({err}); bytes and wait time will read 0. "
                 "HINT: a `ddp_comm_hook` passed to DDPStrategy is already registered on this model."
             )
+    elif model is not None and measure_fsdp_collectives(model, recorder, scope=scope_of(trainer)) > 0:
+        pass  # FSDP2 (Lightning's ModelParallelStrategy): its all-gathers and reduce-scatters, through torch's API
     elif trainer.world_size > 1:
         rank_zero_warn(
             f"SyncMonitor does not know how to measure communication of {type(strategy).__name__}; "
@@ -62,6 +63,11 @@ def stats_recorder(trainer: pl.Trainer) -> StatsRecorder:
     _time_checkpoint(trainer, recorder)
     log.debug("attached StatsRecorder to %s", type(strategy).__name__)
     return recorder
+
+
+def scope_of(trainer: pl.Trainer) -> Scope:
+    # A flat collective over every rank crosses node boundaries as soon as there is more than one node.
+    return "inter" if trainer.num_nodes > 1 else "intra"
 
 
 _TIMED: weakref.WeakSet[object] = weakref.WeakSet()

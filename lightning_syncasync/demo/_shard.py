@@ -20,6 +20,9 @@ def shard_if_meshed(module: LightningModule, units: Iterable[nn.Module]) -> None
 
     if isinstance(module, FSDPModule):
         return  # sharded by an earlier fit/validate of this module
+    # hier_sync_sharded(hsdp=True) asks for FSDP2's HSDP, a 2-D (replicate, shard) mesh; everything else for one dim.
+    dims = getattr(module.trainer.strategy, "shard_dims", ("data_parallel",))
+    shard_mesh = mesh[dims if len(dims) > 1 else dims[0]]
     for unit in units:
-        fully_shard(unit, mesh=mesh["data_parallel"])
-    fully_shard(module, mesh=mesh["data_parallel"])
+        fully_shard(unit, mesh=shard_mesh)
+    fully_shard(module, mesh=shard_mesh)

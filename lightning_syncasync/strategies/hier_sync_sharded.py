@@ -78,6 +78,10 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
             per rank), ``"fork"`` or ``"spawn"`` (the processes are started from this one, as ``ddp_spawn`` does;
             the main process gets the merged model back after ``fit``). Ignored under torchrun or SLURM, which
             start the processes themselves.
+        hsdp: the synchronous baseline instead of averaging: FSDP2's own HSDP, sharded inside the node and
+            replicated across nodes with an all-reduce of the gradient shards every step (no averager). The
+            module shards over ``self.device_mesh[self.trainer.strategy.shard_dims]`` (the demos do), which is
+            ``("replicate", "data_parallel")`` here.
         process_group_backend, timeout: as ``ModelParallelStrategy``.
 
     Example::
@@ -107,6 +111,7 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
         peer_timeout_s: float = 60.0,
         virtual_nodes: int | None = None,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
+        hsdp: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -134,7 +139,8 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
         self.compression_options = dict(compression_options or {})
         self.peer_timeout_s = peer_timeout_s
         self.start_method = start_method
-        self.sync_stats = StatsRecorder(mode="hier")
+        self.hsdp = hsdp
+        self.sync_stats = StatsRecorder(mode="sync" if hsdp else "hier")
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None
         self._cross_group: dist.ProcessGroup | None = None
@@ -193,6 +199,12 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
         # dimension only, which here is one node, so the nodes would read the same samples.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @property
+    def shard_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions a module shards over: the node's ranks, or with ``hsdp`` the 2-D (replicate, shard)
+        mesh of FSDP2's HSDP."""
+        return ("replicate", "data_parallel") if self.hsdp else ("data_parallel",)
+
     # -- training ----------------------------------------------------------------------------------------------
 
     @override
@@ -201,8 +213,11 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
         assert self.lightning_module is not None
         # FSDP's own traffic inside the node (parameter all-gathers, gradient reduce-scatters), in the same record
         # as the averager's cross-node rounds.
-        measure_fsdp_collectives(self.lightning_module, self.sync_stats, scope="intra")
+        measure_fsdp_collectives(self.lightning_module, self.sync_stats, scope="intra", hsdp=self.hsdp)
         if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self.hsdp:
+            self._check_sharded(self.device_mesh[self.shard_dims])  # FSDP2 itself keeps the nodes in step
             return
         assert self.topology is not None
         self.averager = DelayedAverager(
@@ -225,29 +240,36 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
     def _local_shards(self) -> list[torch.Tensor]:
         """This rank's shards of every parameter, after checking that ``configure_model`` sharded each one over the
         node; the nodes are made to start from node 0's model."""
-        from torch.distributed.tensor import DTensor
-
-        assert self.lightning_module is not None and self._cross_group is not None
-        named = list(self.lightning_module.named_parameters())
-        if not named:
-            raise ValueError(
-                f"{type(self.lightning_module).__name__} has no parameters to shard; HINT: build the layers in "
-                "__init__ or configure_model"
-            )
-        node_mesh = self.device_mesh["data_parallel"]
-        wrong = [n for n, p in named if not isinstance(p, DTensor) or p.device_mesh != node_mesh]
-        if wrong:
-            raise ValueError(
-                f"hier_sync_sharded: parameter(s) {wrong[:3]}{' ...' if len(wrong) > 3 else ''} are not sharded over "
-                "the node (FSDP2 on self.device_mesh['data_parallel']); HINT: in configure_model call "
-                "fully_shard(layer, mesh=self.device_mesh['data_parallel']) on each layer and then on the module"
-            )
+        assert self._cross_group is not None
+        named = self._check_sharded(self.device_mesh["data_parallel"])
         with torch.no_grad():
             shards = [_local(p) for _, p in named]  # views of FSDP's sharded storage: updated in place
             src = dist.get_global_rank(self._cross_group, 0)
             for shard in shards:
                 dist.broadcast(shard, src=src, group=self._cross_group)
         return shards
+
+    def _check_sharded(self, mesh: Any) -> list[tuple[str, torch.nn.Parameter]]:
+        """The module's named parameters, each checked to be sharded by FSDP2 over ``mesh``."""
+        from torch.distributed.tensor import DTensor
+
+        assert self.lightning_module is not None
+        named = list(self.lightning_module.named_parameters())
+        if not named:
+            raise ValueError(
+                f"{type(self.lightning_module).__name__} has no parameters to shard; HINT: build the layers in "
+                "__init__ or configure_model"
+            )
+        dims = self.shard_dims if len(self.shard_dims) > 1 else self.shard_dims[0]
+        wrong = [n for n, p in named if not isinstance(p, DTensor) or p.device_mesh != mesh]
+        if wrong:
+            raise ValueError(
+                f"hier_sync_sharded: parameter(s) {wrong[:3]}{' ...' if len(wrong) > 3 else ''} are not sharded over "
+                f"self.device_mesh[{dims!r}]; HINT: in configure_model call fully_shard(layer, "
+                f"mesh=self.device_mesh[{dims!r}]) on each layer and then on the module (the demos read the dims "
+                "from self.trainer.strategy.shard_dims)"
+            )
+        return named
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

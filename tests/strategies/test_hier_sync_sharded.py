@@ -62,7 +62,11 @@ def _fit(out: Path, strategy, model_cls=ShardedTinyModel, steps: int = 6, ckpt_p
 
 @pytest.mark.timeout(300)
 def test_every_step_average_equals_fsdp_over_all_ranks(tmp_path):
-    fsdp, _, _ = _fit(tmp_path / "fsdp", _ForkedFSDP(data_parallel_size=4, tensor_parallel_size=1))
+    fsdp, fsdp_summary, _ = _fit(tmp_path / "fsdp", _ForkedFSDP(data_parallel_size=4, tensor_parallel_size=1))
+    # SyncMonitor measures Lightning's own FSDP too: the all-gather of a quarter of the (padded) parameters and the
+    # reduce-scatter of the whole padded gradient, every step.
+    for rank in fsdp_summary["ranks"]:
+        assert PARAM_BYTES < rank["bytes_intra_per_step"] < 2 * PARAM_BYTES
     ours, summary, model = _fit(
         tmp_path / "sharded",
         ShardedHierSyncStrategy(virtual_nodes=2, inter_period=1, max_delay=0, start_method="fork"),
@@ -71,6 +75,13 @@ def test_every_step_average_equals_fsdp_over_all_ranks(tmp_path):
         assert len(ours[r]) == 6
         for got, want in zip(ours[r], fsdp[0], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # FSDP2's own HSDP (sharded inside the node, gradient shards all-reduced across nodes every step), the
+    # synchronous baseline of the benchmark, follows the same trajectory.
+    hsdp, hsdp_summary, _ = _fit(tmp_path / "hsdp", ShardedHierSyncStrategy(virtual_nodes=2, hsdp=True,
+                                                                        start_method="fork"))  # fmt: skip
+    for got, want in zip(hsdp[3], fsdp[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert hsdp_summary["ranks"][0]["bytes_inter_per_step"] == PARAM_BYTES // 2  # the shard, every step
     # The main process gets the merged model back from the forked ranks.
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(final, ours[0][-1])
@@ -167,7 +178,11 @@ class _NoParams(TinyModel):
         # 2 ranks as 2 virtual nodes: one rank per node, nothing to shard over.
         (2, ShardedTinyModel, r"one rank per node, with nothing to shard over; HINT: use hier_sync \(replicas\)"),
         # A module whose configure_model does not shard (a plain replica on every rank).
-        (4, _NotSharded, r"are not sharded over the node .*HINT: in configure_model call fully_shard"),
+        (
+            4,
+            _NotSharded,
+            r"are not sharded over self.device_mesh\['data_parallel'\].*HINT: in configure_model call fully_shard",
+        ),
         (4, _NoParams, r"has no parameters to shard; HINT"),
     ],
     ids=["one-rank-per-node", "not-sharded", "no-parameters"],
