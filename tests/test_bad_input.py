@@ -284,6 +284,10 @@ CASES: list[Case] = [
     Case("sharded-start-method", "strategy hier_sync_sharded", "ShardedHierSyncStrategy(start_method='thread')",
          lambda: ShardedHierSyncStrategy(start_method="thread"), ValueError, r"start_method must be one of",
          r"HINT: 'fork'"),
+    Case("sharded-hsdp-compression", "strategy hier_sync_sharded",
+         "ShardedHierSyncStrategy(hsdp=True, compression='int8')",
+         lambda: ShardedHierSyncStrategy(hsdp=True, compression="int8"), ValueError,
+         r"compression='int8' with hsdp=True", r"HINT: drop hsdp"),
     Case("sharded-inter-period", "strategy hier_sync_sharded", "ShardedHierSyncStrategy(inter_period=0)",
          lambda: ShardedHierSyncStrategy(inter_period=0), ValueError, r"inter_period", r"HINT: 1 averages"),
     # strategy async_ssp

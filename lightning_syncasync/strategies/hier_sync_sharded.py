@@ -125,6 +125,12 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
                 "node_size=1 leaves one rank per node, with nothing to shard over; HINT: use hier_sync (replicas) "
                 "for one rank per node, or give each node 2 or more ranks"
             )
+        if hsdp and compression != "none":
+            raise ValueError(
+                f"compression={compression!r} with hsdp=True: HSDP all-reduces the gradient shards with FSDP2's own "
+                "collective, which this strategy does not compress; HINT: drop hsdp to average compressed node models "
+                "every inter_period steps, or drop compression"
+            )
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}; HINT: 'fork'")
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)

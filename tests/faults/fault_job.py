@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models
 
 import torch  # noqa: E402
-from _models import TinyModel  # noqa: E402
+from _models import ShardedTinyModel, TinyModel  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
@@ -24,11 +24,20 @@ from lightning_syncasync.callbacks import FaultInjector, PeerWatchdog  # noqa: E
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy  # noqa: E402
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy  # noqa: E402
+from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy  # noqa: E402
 
 
 class SlowTinyModel(TinyModel):
     """A step of ~20 ms, so the fault lands mid-training and the others are inside a collective or an exchange."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02)
+        return super().training_step(batch, batch_idx)
+
+
+class SlowShardedTinyModel(ShardedTinyModel):
+    """SlowTinyModel's step, sharded with FSDP2 by the strategy that gives it a mesh."""
 
     def training_step(self, batch, batch_idx):
         time.sleep(0.02)
@@ -43,6 +52,8 @@ def build(name: str, compression: str, timeout_s: float):
     kw = {"peer_timeout_s": timeout_s, "compression": compression}
     if name == "hier_sync":
         return HierSyncStrategy(node_size=1, **kw), []
+    if name == "hier_sync_sharded":  # 4 ranks as 2 nodes of 2: FSDP2 inside each
+        return ShardedHierSyncStrategy(node_size=2, **kw), []
     if name == "async_ssp":
         return AsyncSSPStrategy(staleness=2, **kw), []
     if name == "auto_sync":
@@ -65,7 +76,7 @@ def main() -> None:
     torch.manual_seed(0)
     record = {"rank": rank, "error": None}
     try:
-        trainer.fit(SlowTinyModel())
+        trainer.fit(SlowShardedTinyModel() if name == "hier_sync_sharded" else SlowTinyModel())
     except BaseException as err:  # noqa: BLE001 - recorded for the test, then re-raised
         record.update(error=f"{type(err).__name__}: {err}"[:2000], t=time.time())
         (out / f"rank{rank}.json").write_text(json.dumps(record))
