@@ -59,7 +59,7 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
-from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
@@ -82,7 +82,13 @@ class ModeUnavailableError(ValueError):
 
 
 class AutoSyncStrategy(
-    WatchedStrategy, LocalReduceWhileAsync, ValidatesNodeMean, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+    WatchedStrategy,
+    LocalReduceWhileAsync,
+    ValidatesNodeMean,
+    SavesNodeOptimizers,
+    CheckpointedAlgorithm,
+    MergesBeforeUserHooks,
+    DDPStrategy,
 ):
     """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
 
@@ -347,6 +353,12 @@ class AutoSyncStrategy(
             return
         for b in module.buffers():
             dist.broadcast(b.data, src=0)
+
+    def _nodes_apart(self) -> bool:
+        return self.averager is not None  # hier mode; async rounds make the states rank 0's at their cut
+
+    def _node_cross_group(self) -> Any:
+        return self._groups.get("eval_cross")
 
     def _broadcast_optimizer_states(self) -> None:
         broadcast_optimizer_state(self.optimizers, src=0)

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import all_gather_state, destroy_groups
+from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -37,14 +37,16 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
-from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
 
 
-class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy):
+class HierSyncStrategy(
+    WatchedStrategy, ValidatesNodeMean, SavesNodeOptimizers, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+):
     """Hierarchical synchronisation for any LightningModule.
 
     Args:
@@ -249,33 +251,11 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
             self.averager.synchronize()
         return super().lightning_module_state_dict()
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # The nodes train apart, each with its own optimizer state (Adam's moments differ from node to node; a node's
-        # ranks agree, DDP keeps them identical). Lightning writes rank 0's only, and a resume then restarted every
-        # node from node 0's moments (measured: 0.013 off the uninterrupted run at the first resumed step). So rank
-        # 0's file also holds every node's, gathered from the first rank of each node. An optimizer without state
-        # (plain SGD) sends nothing.
-        states = checkpoint.get("optimizer_states")
-        topo = self.topology
-        if self.averager is not None and topo is not None and topo.num_nodes > 1 and states and _has_state(states):
-            if topo.local_rank_of(self.global_rank) == 0:
-                checkpoint[_NODE_OPTIMIZERS_KEY] = all_gather_state(states, group=self._eval_cross_group)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def _nodes_apart(self) -> bool:
+        return self.averager is not None
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        per_node = checkpoint.get(_NODE_OPTIMIZERS_KEY)
-        if per_node is None or self.topology is None:
-            return
-        if len(per_node) != self.topology.num_nodes:
-            raise ValueError(
-                f"the checkpoint holds the optimizer states of {len(per_node)} node(s), this run has "
-                f"{self.topology.num_nodes}; HINT: resume on as many nodes (node_size/virtual_nodes as before)"
-            )
-        for optimizer, state in zip(self.optimizers, per_node[self.topology.node_of(self.global_rank)], strict=True):
-            optimizer.load_state_dict(state)
+    def _node_cross_group(self) -> dist.ProcessGroup | None:
+        return self._eval_cross_group  # validation's; the averager's own may have a compressed round's thread on it
 
     def _algorithm(self) -> Any | None:
         return self.averager
@@ -298,13 +278,6 @@ class HierSyncStrategy(WatchedStrategy, ValidatesNodeMean, CheckpointedAlgorithm
         )
         self._node_group = self._world_grad_group = self._avg_node_group = None
         self._cross_group = self._eval_cross_group = None
-
-
-_NODE_OPTIMIZERS_KEY = "hier_sync_node_optimizer_states"
-
-
-def _has_state(optimizer_states: list[dict[str, Any]]) -> bool:
-    return any(bool(state.get("state")) for state in optimizer_states)
 
 
 def _warmup_hook(strategy: HierSyncStrategy, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

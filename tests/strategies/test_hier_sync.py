@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_syncasync.callbacks import SyncMonitor
+from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
 
 
@@ -191,6 +192,23 @@ def test_resume_with_adam_restores_every_nodes_optimizer_state(tmp_path):
     moments = [node[0]["state"][0]["exp_avg"] for node in nodes]
     assert not torch.equal(moments[0], moments[1])  # each node's own
     resumed, _ = _fit(tmp_path / "resumed", HierSyncStrategy(**strategy), ckpt_path=str(path), model_cls=TinyAdamModel,
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4)])  # fmt: skip
+    for r in range(4):
+        for got, want in zip(resumed[r]["steps"], full[r]["steps"][4:], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(400)
+def test_auto_sync_in_hier_mode_resumes_every_nodes_optimizer_state(tmp_path):
+    # auto_sync's hier mode runs the same averager, and its nodes' Adam moments part the same way.
+    make = lambda: AutoSyncStrategy(  # noqa: E731
+        mode="hier", switcher=False, inter_period=2, max_delay=1, node_size=2, start_method="fork"
+    )
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    full, _ = _fit(tmp_path / "full", make(), callbacks=[ckpt], model_cls=TinyAdamModel)
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    assert len(torch.load(path, weights_only=True)["hier_sync_node_optimizer_states"]) == 2
+    resumed, _ = _fit(tmp_path / "resumed", make(), ckpt_path=str(path), model_cls=TinyAdamModel,
                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4)])  # fmt: skip
     for r in range(4):
         for got, want in zip(resumed[r]["steps"], full[r]["steps"][4:], strict=True):
