@@ -13,7 +13,6 @@ the compression residuals), so resuming is exact and the saved model is the merg
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,7 +24,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
@@ -36,16 +34,15 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
-from lightning_syncasync.strategies._validation import ValidatesNodeMean
+from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
 
 
 class HierSyncStrategy(
-    WatchedStrategy, ValidatesNodeMean, SavesNodeOptimizers, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+    WatchedStrategy, AveragesNodes, SavesNodeOptimizers, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
 ):
     """Hierarchical synchronisation for any LightningModule.
 
@@ -214,42 +211,6 @@ class HierSyncStrategy(
         if self._restored is not None:
             self.averager.load_state_dict(self._restored)  # after the broadcast: the weights are the checkpoint's
             self._restored = None
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        # One averaging step per training step: with several optimizers, after the last one has stepped.
-        if self.averager is not None and (not self.optimizers or optimizer is unwrap_optimizer(self.optimizers[-1])):
-            self.averager.after_step()
-        return out
-
-    @override
-    def on_validation_start(self) -> None:
-        # Validation inside fit evaluates the mean of the node replicas (the model a checkpoint or the end of fit
-        # would hold), not each node's own replica; it is swapped back afterwards, so validating never changes
-        # the training trajectory. (Lightning has left the training stage here: hence state.fn, not `training`.)
-        module = self.lightning_module
-        if self.averager is not None and module is not None and module.trainer.state.fn == "fit":
-            self.averager.swap_in_mean(self._eval_cross_group)
-        super().on_validation_start()
-
-    @override
-    def _merge_replicas(self) -> None:
-        # The model fit() leaves behind (and that on_train_end hooks, test/predict and save see) is the merged one,
-        # not a node's replica: a consistent cut, since draining alone leaves each node's progress since the last
-        # launch unmerged.
-        if self.averager is not None:
-            self.averager.synchronize()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Checkpoints hold a consistent cut: every node the same model, no residual held back (all ranks save
-        # together, so this collective is safe here).
-        if self.averager is not None and not self._replicas_merged:  # merged at the end of fit: nothing moved since
-            # Also when saved from a callback during validation (ModelCheckpoint's on_validation_end runs before
-            # ours): synchronize() drains, which first puts back the node replica lent to validation.
-            self.averager.synchronize()
-        return super().lightning_module_state_dict()
 
     def _nodes_apart(self) -> bool:
         return self.averager is not None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -53,10 +52,10 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
-from lightning_syncasync.strategies._checks import check_compression_options, check_node_size
+from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
-from lightning_syncasync.strategies._validation import ValidatesNodeMean
+from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 START_METHODS = ("popen", "fork", "spawn")
@@ -67,7 +66,7 @@ def averager_file(rank: int) -> str:
     return f"syncasync_averager_rank{rank}.pt"
 
 
-class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUserHooks, ModelParallelStrategy):
+class ShardedHierSyncStrategy(WatchedStrategy, AveragesNodes, MergesBeforeUserHooks, ModelParallelStrategy):
     """Hierarchical synchronisation of a model sharded inside each node (module docstring).
 
     Args:
@@ -116,9 +115,8 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
-        check_compression_options(compression, compression_options)
-        if peer_timeout_s <= 0:
-            raise ValueError(f"peer_timeout_s must be > 0, got {peer_timeout_s}; HINT: 60 fails within a minute")
+        check_common("hier_sync_sharded does its own cross-node averaging", compression, compression_options,
+                     peer_timeout_s, {}, type(self), wraps_ddp=False)  # fmt: skip
         check_node_size(node_size, virtual_nodes)
         if node_size == 1:
             raise ValueError(
@@ -277,34 +275,7 @@ class ShardedHierSyncStrategy(WatchedStrategy, ValidatesNodeMean, MergesBeforeUs
             )
         return named
 
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.averager is not None and (not self.optimizers or optimizer is unwrap_optimizer(self.optimizers[-1])):
-            self.averager.after_step()
-        return out
-
-    @override
-    def on_validation_start(self) -> None:
-        # Validation inside fit sees the mean of the node models, lent and put back as in hier_sync.
-        module = self.lightning_module
-        if self.averager is not None and module is not None and module.trainer.state.fn == "fit":
-            self.averager.swap_in_mean(self._eval_cross_group)
-        super().on_validation_start()
-
-    @override
-    def _merge_replicas(self) -> None:
-        if self.averager is not None:
-            self.averager.synchronize()
-
     # -- checkpoints -------------------------------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # A consistent cut before the shards are saved (every rank saves together).
-        if self.averager is not None and not self._replicas_merged:
-            self.averager.synchronize()
-        return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -168,15 +168,22 @@ def test_a_checkpoint_saved_during_validation_holds_the_merged_model(tmp_path):
 )
 def test_resume_continues_the_same_trajectory(tmp_path, extra):
     strategy = dict(inter_period=1, max_delay=1, node_size=2, start_method="fork", **extra)
+    checkpoint = _resume_at_step_4_matches(tmp_path, lambda: HierSyncStrategy(**strategy), TinyModel)
+    assert "hier_sync" in checkpoint  # the outer momentum and step travel
+
+
+def _resume_at_step_4_matches(tmp_path: Path, make, model_cls) -> dict:
+    """Train 8 steps saving at step 4, resume a second run from that checkpoint, and check every rank's steps 5-8
+    match the uninterrupted run's. Returns the checkpoint."""
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    full, _ = _fit(tmp_path / "full", HierSyncStrategy(**strategy), callbacks=[ckpt])
+    full, _ = _fit(tmp_path / "full", make(), callbacks=[ckpt], model_cls=model_cls)
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    assert "hier_sync" in torch.load(path, weights_only=True)  # the outer momentum and step travel
-    resumed, _ = _fit(tmp_path / "resumed", HierSyncStrategy(**strategy), ckpt_path=str(path),
+    resumed, _ = _fit(tmp_path / "resumed", make(), ckpt_path=str(path), model_cls=model_cls,
                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4)])  # fmt: skip
     for r in range(4):
         for got, want in zip(resumed[r]["steps"], full[r]["steps"][4:], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    return torch.load(path, weights_only=True)
 
 
 @pytest.mark.timeout(400)
@@ -184,18 +191,11 @@ def test_resume_with_adam_restores_every_nodes_optimizer_state(tmp_path):
     # The nodes train apart with their own Adam moments between rounds; a checkpoint of rank 0's alone restarted
     # node 1 from node 0's moments (0.013 off at the first resumed step).
     strategy = dict(inter_period=2, max_delay=1, node_size=2, start_method="fork")
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    full, _ = _fit(tmp_path / "full", HierSyncStrategy(**strategy), callbacks=[ckpt], model_cls=TinyAdamModel)
-    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    nodes = torch.load(path, weights_only=True)["hier_sync_node_optimizer_states"]
+    checkpoint = _resume_at_step_4_matches(tmp_path, lambda: HierSyncStrategy(**strategy), TinyAdamModel)
+    nodes = checkpoint["hier_sync_node_optimizer_states"]
     assert len(nodes) == 2
     moments = [node[0]["state"][0]["exp_avg"] for node in nodes]
     assert not torch.equal(moments[0], moments[1])  # each node's own
-    resumed, _ = _fit(tmp_path / "resumed", HierSyncStrategy(**strategy), ckpt_path=str(path), model_cls=TinyAdamModel,
-                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4)])  # fmt: skip
-    for r in range(4):
-        for got, want in zip(resumed[r]["steps"], full[r]["steps"][4:], strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(400)
@@ -204,15 +204,8 @@ def test_auto_sync_in_hier_mode_resumes_every_nodes_optimizer_state(tmp_path):
     make = lambda: AutoSyncStrategy(  # noqa: E731
         mode="hier", switcher=False, inter_period=2, max_delay=1, node_size=2, start_method="fork"
     )
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    full, _ = _fit(tmp_path / "full", make(), callbacks=[ckpt], model_cls=TinyAdamModel)
-    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    assert len(torch.load(path, weights_only=True)["hier_sync_node_optimizer_states"]) == 2
-    resumed, _ = _fit(tmp_path / "resumed", make(), ckpt_path=str(path), model_cls=TinyAdamModel,
-                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4)])  # fmt: skip
-    for r in range(4):
-        for got, want in zip(resumed[r]["steps"], full[r]["steps"][4:], strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    checkpoint = _resume_at_step_4_matches(tmp_path, make, TinyAdamModel)
+    assert len(checkpoint["hier_sync_node_optimizer_states"]) == 2
 
 
 @pytest.mark.timeout(200)
