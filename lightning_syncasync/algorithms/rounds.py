@@ -50,6 +50,13 @@ round carries every rank's flag; that round is exact (fp32, with every error-fee
 After it is applied every replica is the global model; rank 0's parameters and buffers are broadcast so they are
 bitwise equal, and the next rounds start from a fresh time origin.
 
+Sharded learners (``node_group``): when a learner is a node whose ranks each hold a shard of its model (FSDP2),
+``group`` is the cross-node group of this rank's shard (the same local rank on every node), and each rank runs the
+rounds of its shard: the same pseudo-gradient arithmetic, shard by shard. The ranks of a node must end every round at
+the same step (the node takes its steps together); so each round-end decision is agreed over ``node_group`` (one
+all-reduce MAX of a flag per step: a round ends when any rank of the node says so), and the number of such calls
+depends only on agreed values, so no rank of a node calls one more than the others.
+
 Buffers (BatchNorm statistics) are not exchanged between cuts (each rank keeps its own, as in ``SSPExchange``).
 A round that does not complete within ``timeout_s`` raises
 :class:`~lightning_syncasync.algorithms.averaging.PeerLostError` naming the peers.
@@ -135,6 +142,8 @@ class RoundExchange:
         scope: how the recorder files the bytes (``"inter"`` when the group spans several nodes).
         timeout_s: how long the training loop waits for a round before :class:`PeerLostError`.
         buffers: tensors made rank 0's at every cut (BatchNorm statistics).
+        node_group: the ranks that hold the other shards of this rank's model (module docstring); ``None``: every
+            rank is a learner of its own and ``group`` spans every rank.
 
     Example::
 
@@ -160,14 +169,20 @@ class RoundExchange:
         scope: Scope = "intra",
         timeout_s: float = 60.0,
         buffers: Sequence[torch.Tensor] = (),
+        node_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_rounds(local_steps, staleness, round_s)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not params:
             raise ValueError("params is empty: nothing to exchange")
-        if dist.get_world_size(group) != dist.get_world_size():
-            raise ValueError("group must span every rank (cuts broadcast over the default group)")
+        learners = dist.get_world_size(group) * (dist.get_world_size(node_group) if node_group is not None else 1)
+        if learners != dist.get_world_size():
+            raise ValueError(
+                "group must span every rank, or with node_group one rank of every node (group size x node_group size "
+                f"= world size), got {learners} ranks for a world of {dist.get_world_size()}"
+            )
+        self.node_group = node_group
         self.tensors = params
         self.buffers = list(buffers)
         self.group = group
@@ -230,11 +245,11 @@ class RoundExchange:
         self._samples += samples
         if self.dynamic:
             self._apply_done()
-        if self._round_over():
+        if self._agree(self._round_over()):
             self._end_round(cut=False)
             # A rank past the next deadline already (it was paused) ends that round too, with no new step, so it
             # stays on the others' round grid instead of running one round behind for good.
-            while self._deadline is not None and time.time() >= self._deadline:
+            while self._agree(self._deadline is not None and time.time() >= self._deadline):
                 self._end_round(cut=False)
         self._last_step_at = time.perf_counter()  # the time blocked above is not step time
 
@@ -250,8 +265,14 @@ class RoundExchange:
                 meta = self._apply(self._flight.popleft())
             if int(round(float(meta[self.world * _FIELDS]))) == self.world:
                 break  # every rank flagged this round: it was exact and it is applied everywhere
-        # Rounding differs a little across replicas (each adds its own delta back); rank 0's is everyone's.
-        broadcast_flat_([t.data for t in [*self.tensors, *self.buffers]], self.global_ranks[0])  # default group
+        # Rounding differs a little across replicas (each adds its own delta back); rank 0's is everyone's (with
+        # shards: node 0's shard, over this shard's group; buffers are whole on every rank, so over every rank).
+        if self.node_group is None:
+            broadcast_flat_([t.data for t in [*self.tensors, *self.buffers]], self.global_ranks[0])  # default group
+        else:
+            broadcast_flat_([t.data for t in self.tensors], self.global_ranks[0], self.group)
+            if self.buffers:
+                broadcast_flat_([t.data for t in self.buffers], 0)
         self._base = self.flat()
         self._ends.clear()
         self._lengths.clear()
@@ -259,6 +280,8 @@ class RoundExchange:
         self._last_step_at = None
         if stop:
             self.close()
+        elif self.node_group is not None:
+            self._new_origin()  # every rank of every shard group on one clock, so a node's ranks agree on deadlines
         else:
             # The new origin is the latest end time of the cut round, which every rank holds (the same metadata):
             # the same value as an all-reduce MAX of the clocks, without another collective.
@@ -300,9 +323,17 @@ class RoundExchange:
     def _new_origin(self) -> None:
         # The latest wall clock of all ranks: every rank's metadata times are then small, non-negative offsets.
         now = torch.tensor([time.time()], dtype=torch.float64)
-        dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self.group if self.node_group is None else None)
         self._origin = float(now)
         self._last_step_at = None
+
+    def _agree(self, flag: bool) -> bool:
+        """A round-end decision, the same on every rank of the node (``node_group``): true if any rank's is."""
+        if self.node_group is None:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.node_group)
+        return bool(t.item())
 
     def _round_over(self) -> bool:
         if self._deadline is None:

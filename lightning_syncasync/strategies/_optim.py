@@ -10,7 +10,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def broadcast_optimizer_state(optimizers: list[Any], src: int = 0) -> None:
+def broadcast_optimizer_state(optimizers: list[Any], src: int = 0, group: Any = None) -> None:
     """Make every rank's optimizer state (Adam's moments and step counts, SGD's momentum) rank ``src``'s, in place.
 
     Training modes that let the states drift apart (``async_ssp``'s rounds, ``auto_sync``'s hier and async modes)
@@ -18,6 +18,9 @@ def broadcast_optimizer_state(optimizers: list[Any], src: int = 0) -> None:
     0's) is every rank's state and resuming is exact. A collective over the default group: every rank calls it at
     the same cut. The layout (which state each parameter has, and its shapes) must be the same on every rank; it is
     checked first, so a rank that has not stepped yet fails with a clear error instead of a mismatched collective.
+
+    Sharded models (FSDP2: the states are DTensors): each rank broadcasts its local shards over ``group``, the ranks
+    that hold the same shard on every node (``src`` is a global rank of that group).
     """
     import torch
 
@@ -28,11 +31,17 @@ def broadcast_optimizer_state(optimizers: list[Any], src: int = 0) -> None:
     layout = []
     for k, optimizer in enumerate(optimizers):
         opt = unwrap_optimizer(optimizer)
-        params = [p for group in opt.param_groups for p in group["params"]]
+        params = [p for pg in opt.param_groups for p in pg["params"]]
         for i, p in enumerate(params):
             state = opt.state.get(p, {})
             for key in sorted(k2 for k2, v in state.items() if torch.is_tensor(v)):
-                tensors.append(state[key])
+                tensors.append(local_part(state[key]))
                 layout.append((k, i, key, tuple(state[key].shape), str(state[key].dtype)))
     check_same_on_every_rank("the optimizer state at a consistent cut", {"layout": layout})
-    broadcast_flat_(tensors, src)
+    broadcast_flat_(tensors, src, group)
+
+
+def local_part(t: Any) -> Any:
+    """This rank's part of ``t``: the local shard of a DTensor (a view of its storage), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

@@ -13,8 +13,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_syncasync.callbacks import SyncMonitor
+from lightning_syncasync.strategies._sharded import _MergedWeightsLauncher
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
-from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy, _MergedWeightsLauncher
+from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
 
 PARAM_BYTES = sum(p.numel() * 4 for p in ShardedTinyModel().parameters())
 
