@@ -169,6 +169,7 @@ def _schemas() -> dict[str, type]:
         TransformerLM,
     )
     from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+    from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
     from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
     from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
     from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
@@ -201,6 +202,7 @@ def _schemas() -> dict[str, type]:
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
         ),
         "strategy/hier_sync_sharded": builds(ShardedHierSyncStrategy),
+        "strategy/async_ssp_sharded": builds(ShardedAsyncSSPStrategy),
         "strategy/fsdp": builds(
             ModelParallelStrategy,
             exclude=("data_parallel_size", "tensor_parallel_size"),

@@ -166,6 +166,16 @@ class ConstantGradModel(TinyModel):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class EpochLoggedConstantGradModel(ConstantGradModel):
+    """ConstantGradModel that logs its loss per epoch with ``sync_dist``: a collective of Lightning's at every epoch
+    end, outside any validation."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+
 class ScheduledModel(ConstantGradModel):
     """ConstantGradModel with a step-interval ``LambdaLR`` (linear decay to 0 over ``total`` steps): whether a rank's
     schedule follows its own steps or the run's global progress shows in its ``last_epoch`` and final rate."""

@@ -48,7 +48,11 @@ A consistent cut (validation, checkpoints, the end of fit; every rank calls :met
 point of its loop) ends the current round with a cut flag, then keeps joining rounds (with no new steps) until one
 round carries every rank's flag; that round is exact (fp32, with every error-feedback residual flushed into it).
 After it is applied every replica is the global model; rank 0's parameters and buffers are broadcast so they are
-bitwise equal, and the next rounds start from a fresh time origin.
+bitwise equal, and the next rounds start from a fresh time origin. A cut where every rank is still clean (no step
+and no round applied since the last cut: validation's metric reductions right after it) costs the metadata
+all-reduce and nothing else (it is not even counted as a round), so strategies can cut before every collective of
+theirs. (It has to be a round: a rank waiting at the bound needs the others' next round launched, and a check of its
+own before the round would block them first.)
 
 Sharded learners (``node_group``): when a learner is a node whose ranks each hold a shard of its model (FSDP2),
 ``group`` is the cross-node group of this rank's shard (the same local rank on every node), and each rank runs the
@@ -84,7 +88,8 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 
 # Metadata per rank in a round: local steps, samples, mean step time (s), end time (wall clock, s since the
-# exchange's time origin).
+# exchange's time origin). After them two counts over ranks: the ranks that flag a cut, and the clean ones (nothing
+# changed on them since the last cut).
 _FIELDS = 4
 
 
@@ -210,6 +215,7 @@ class RoundExchange:
         self._lengths: dict[int, float] = {}  # the round length each delivered round's metadata decides
         self._deadline: float | None = None  # the current round's end (wall clock), None: a fixed-step round
         self._thread: CommThread | None = None
+        self._clean = True  # nothing changed on this rank since the last cut (the replicas start equal)
         self.peers = [r for r in self.global_ranks if r != dist.get_rank()]
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -237,6 +243,7 @@ class RoundExchange:
     def after_step(self, samples: int = 1) -> None:
         """Call after every local optimizer step: applies the rounds delivered so far, and ends the round (launching
         its exchange, then waiting on the staleness bound) when it is over."""
+        self._clean = False
         now = time.perf_counter()
         if self._last_step_at is not None:
             dt = now - self._last_step_at
@@ -253,9 +260,10 @@ class RoundExchange:
                 self._end_round(cut=False)
         self._last_step_at = time.perf_counter()  # the time blocked above is not step time
 
-    def cut(self, stop: bool = False) -> None:
+    def cut(self, stop: bool = False) -> bool:
         """A consistent cut (every rank at the same point of its loop): every round delivered and applied, the last
-        one exact, the replicas bitwise equal. ``stop=True`` ends the exchange thread after it."""
+        one exact, the replicas bitwise equal. ``stop=True`` ends the exchange thread after it. Returns whether
+        anything changed (``False``: every rank was clean, the replicas were equal already)."""
         start = time.perf_counter()
         if self._thread is None:
             raise RuntimeError("cut() before start()")
@@ -263,8 +271,12 @@ class RoundExchange:
             self._end_round(cut=True, gate=False)
             while self._flight:
                 meta = self._apply(self._flight.popleft())
-            if int(round(float(meta[self.world * _FIELDS]))) == self.world:
+            if _count(meta, self.world, 0) == self.world:
                 break  # every rank flagged this round: it was exact and it is applied everywhere
+        if _count(meta, self.world, 1) == self.world:
+            if stop:
+                self.close()
+            return False  # every rank was clean: the replicas were equal, nothing moved
         # Rounding differs a little across replicas (each adds its own delta back); rank 0's is everyone's (with
         # shards: node 0's shard, over this shard's group; buffers are whole on every rank, so over every rank).
         if self.node_group is None:
@@ -288,8 +300,10 @@ class RoundExchange:
             per_rank = meta[: self.world * _FIELDS].view(self.world, _FIELDS)
             self._origin += float(per_rank[:, 3].max())
             self._last_step_at = None
+        self._clean = True
         if self.recorder is not None:
             self.recorder.record_wait(time.perf_counter() - start)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """After a cut: the round counters, the outer optimizer's state and the compressor's."""
@@ -345,12 +359,13 @@ class RoundExchange:
         theta = self.flat()
         delta = self._base - theta
         self._base = theta
-        meta = torch.zeros(self.world * _FIELDS + 1, dtype=torch.float64)
+        meta = torch.zeros(self.world * _FIELDS + 2, dtype=torch.float64)
         mine = meta[self.rank * _FIELDS : (self.rank + 1) * _FIELDS]
         mine[0], mine[1] = self._steps, self._samples
         mine[2] = self._step_ema if self._step_ema is not None else 0.0
         mine[3] = time.time() - self._origin
-        meta[-1] = 1.0 if cut else 0.0
+        meta[-2] = 1.0 if cut else 0.0
+        meta[-1] = 1.0 if cut and self._clean else 0.0
         self.stats.local_steps.append(self._steps)
         self._steps = self._samples = 0
         index = self.launched
@@ -398,6 +413,12 @@ class RoundExchange:
                 "check that rank's log, then resume from the last checkpoint"
             ) from err
         per_rank = meta[: self.world * _FIELDS].view(self.world, _FIELDS)
+        if _count(meta, self.world, 1) == self.world:
+            # A cut where no rank had changed: not a round (counters and statistics stay as they were).
+            self.launched -= 1
+            self.stats.local_steps.pop()
+            return meta
+        self._clean = False  # the round carried someone's progress: the replicas may differ now
         if int(per_rank[:, 0].sum()) > 0:
             step = self.outer.step(grad)
         else:
@@ -434,7 +455,9 @@ class RoundExchange:
         """On the exchange thread: the metadata, then the pseudo-gradients (exact when every rank flagged a cut)."""
         dist.all_reduce(meta, group=self.group)
         nbytes = meta.numel() * meta.element_size()
-        everyone_cut = int(round(float(meta[-1]))) == self.world
+        everyone_cut = _count(meta, self.world, 0) == self.world
+        if everyone_cut and _count(meta, self.world, 1) == self.world:
+            return torch.zeros_like(delta), meta, nbytes  # every rank clean (cut()): nothing to exchange
         if self.compressor is None or everyone_cut:
             total = delta.clone()
             if self.compressor is not None:
@@ -447,3 +470,8 @@ class RoundExchange:
             return total / self.world, meta, nbytes
         mean, sent = self.compressor.allreduce(delta, self.group, key="round")
         return mean, meta, nbytes + sent
+
+
+def _count(meta: torch.Tensor, world: int, which: int) -> int:
+    """One of a round's counts over ranks: ``0`` the ranks that flag a cut, ``1`` the clean ones."""
+    return int(round(float(meta[world * _FIELDS + which])))

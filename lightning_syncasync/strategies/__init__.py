@@ -12,6 +12,7 @@ from lightning_syncasync.strategies._registry import (
     register_strategies,
 )
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
@@ -25,6 +26,7 @@ __all__ = [
     "DeepSpeedCPUStrategy",
     "HierSyncStrategy",
     "MeasuredDDPStrategy",
+    "ShardedAsyncSSPStrategy",
     "ShardedHierSyncStrategy",
     "StrategyEntry",
     "check_strategy_name",

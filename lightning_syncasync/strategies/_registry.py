@@ -67,6 +67,11 @@ STRATEGIES: list[StrategyEntry] = [
         "asynchronous training with Stale Synchronous Parallel bounded staleness",
     ),
     *_with_spawn(
+        "async_ssp_sharded",
+        "lightning_syncasync.strategies.async_ssp_sharded.ShardedAsyncSSPStrategy",
+        "async_ssp's rounds for models that do not fit one device: FSDP2 shards inside each node, rounds across nodes",
+    ),
+    *_with_spawn(
         "auto_sync",
         "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
         "sync, hierarchical or asynchronous, switched from live metrics by SyncSwitcher",

@@ -111,15 +111,32 @@ class LocalReduceWhileAsync:
     @contextmanager
     def _sync_point(self) -> Iterator[None]:
         """Time a collective of Lightning's outside the training step while training is asynchronous: every rank
-        waits there for the slowest (epoch ends, metric reductions, validation), so it is recorded apart."""
+        waits there for the slowest (epoch ends, metric reductions, validation), so it is recorded apart.
+
+        With rounds, a consistent cut comes first. A rank waiting at the staleness bound needs its peers to end their
+        rounds, and a peer inside one of Lightning's collectives never would: a deadlock, found when ranks that
+        claim batches took different numbers of steps and the epoch ended without validation (the epoch-end metric
+        reduction; before the fix rank 0 timed out at round 3 after 60 s). Every rank reaches the same first
+        collective, so that is a consistent point; the cuts after it are clean and cost one metadata all-reduce."""
         if not self._async_active():
             yield
             return
         start = time.perf_counter()
         try:
+            self._cut_rounds()
             yield
         finally:
             self.sync_stats.record_sync_point(time.perf_counter() - start)
+
+    def _cut_rounds(self, stop: bool = False) -> None:
+        """A consistent cut of the rounds (if they run), then the optimizer states made one (when anything changed)."""
+        rounds = self.rounds
+        if rounds is not None and rounds._thread is not None and rounds.cut(stop=stop):
+            self._equal_optimizer_states()
+
+    def _equal_optimizer_states(self) -> None:
+        """After a cut that changed the replicas: every rank's optimizer state made rank 0's (the strategy's way)."""
+        raise NotImplementedError
 
 
 class AsyncSSPStrategy(
@@ -386,7 +403,8 @@ class AsyncSSPStrategy(
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.rounds is not None:
             # A local step on fresh gradients of this replica, with its own optimizer; then the round's bookkeeping.
-            out = super().optimizer_step(optimizer, self._finite(closure), model, **kwargs)
+            out = super().optimizer_step(optimizer, finite_closure(closure, self.global_rank, self.rounds), model,
+                                         **kwargs)  # fmt: skip
             self.rounds.after_step()
             return out
         ex = self.exchange
@@ -397,25 +415,6 @@ class AsyncSSPStrategy(
             ex, self._compensator, self._apply, optimizer, self.global_rank, closure,
             lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
         )  # fmt: skip
-
-    def _finite(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """The closure, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
-        replica's next round would carry the NaN into every other replica."""
-        rounds = self.rounds
-
-        def wrapped() -> Any:
-            loss = closure()
-            value = loss.detach() if isinstance(loss, torch.Tensor) else None
-            if value is not None and not bool(torch.isfinite(value).all()):
-                where = f"round {rounds.launched}" if rounds is not None else "a step"
-                raise DivergenceError(
-                    f"rank {self.global_rank}: loss is {value.item()} in {where} under async training; stopped before "
-                    "this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher "
-                    "to fall back to synchronous training"
-                )
-            return loss
-
-        return wrapped
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
@@ -429,15 +428,18 @@ class AsyncSSPStrategy(
 
     def _cut_now(self, stop: bool) -> None:
         if self.rounds is not None and self.rounds._thread is not None:
-            self.rounds.cut(stop=stop)
-            if self._optimizer is not None:
-                broadcast_optimizer_state([self._optimizer], src=0)
+            self._cut_rounds(stop)
             if stop:
                 _log_rounds(self.rounds)
         elif self.exchange is not None and self.exchange._thread is not None:
             self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
             if stop:
                 _log_staleness(self.exchange)
+
+    @override
+    def _equal_optimizer_states(self) -> None:
+        if self._optimizer is not None:
+            broadcast_optimizer_state([self._optimizer], src=0)
 
     @override
     def on_validation_start(self) -> None:
@@ -567,6 +569,25 @@ def local_sigterm_check(trainer: pl.Trainer) -> Callable[[], None]:
             del loop._broadcast_sigterm_tensor
 
     return undo
+
+
+def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange | None) -> Callable[[], Any]:
+    """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
+    replica's next round would carry the NaN into every other replica."""
+
+    def wrapped() -> Any:
+        loss = closure()
+        value = loss.detach() if isinstance(loss, torch.Tensor) else None
+        if value is not None and not bool(torch.isfinite(value).all()):
+            where = f"round {rounds.launched}" if rounds is not None else "a step"
+            raise DivergenceError(
+                f"rank {rank}: loss is {value.item()} in {where} under async training; stopped before this "
+                "replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher to fall "
+                "back to synchronous training"
+            )
+        return loss
+
+    return wrapped
 
 
 def check_async_fit(optimizers: list[Optimizer], precision: Any, name: str) -> Optimizer:

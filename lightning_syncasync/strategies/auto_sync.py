@@ -285,7 +285,7 @@ class AutoSyncStrategy(
                 self._undo_sigterm = None
         self._broadcast_buffers()
         if mode == "hier" or (mode == "async" and self.local_steps > 1):
-            self._broadcast_optimizer_states()  # hier and async rounds let the moments drift apart
+            self._equal_optimizer_states()  # hier and async rounds let the moments drift apart
 
     def _enter(self, mode: str, restored: dict[str, Any] | None = None) -> None:
         self.sync_stats.mode = mode
@@ -360,7 +360,8 @@ class AutoSyncStrategy(
     def _node_cross_group(self) -> Any:
         return self._groups.get("eval_cross")
 
-    def _broadcast_optimizer_states(self) -> None:
+    @override
+    def _equal_optimizer_states(self) -> None:
         broadcast_optimizer_state(self.optimizers, src=0)
 
     # -- the training step ---------------------------------------------------------------------------------------
@@ -417,8 +418,7 @@ class AutoSyncStrategy(
                 assert self._apply is not None
                 self.exchange.cut(self._apply)  # validate the merged model (async_ssp's rule)
             elif self.rounds is not None:
-                self.rounds.cut()
-                self._broadcast_optimizer_states()
+                self._cut_rounds()
             elif self.averager is not None:
                 self.averager.swap_in_mean(self._groups["eval_cross"])  # hier_sync's rule; swapped back at the end
             elif self.mode == "sync" and self.model is not None:
@@ -435,8 +435,7 @@ class AutoSyncStrategy(
             assert self._apply is not None
             self.exchange.cut(self._apply)
         elif self.rounds is not None and self.rounds._thread is not None:
-            self.rounds.cut()
-            self._broadcast_optimizer_states()
+            self._cut_rounds()
         return super().lightning_module_state_dict()
 
     def _algorithm(self) -> Any | None:

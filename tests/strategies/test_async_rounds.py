@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ConstantGradModel, NaNAfterModel, ScheduledModel, TinyAdamModel
+from _models import ConstantGradModel, EpochLoggedConstantGradModel, NaNAfterModel, ScheduledModel, TinyAdamModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -81,6 +81,26 @@ def test_every_step_counts_once_and_the_fast_rank_takes_more_under_a_straggler(t
         assert torch.equal(r["final"], torch.full_like(r["final"], expected)), (r["final"][:3], expected)
         assert max(r["lags"]) <= 1  # the staleness bound, in rounds
     assert trainer.max_steps == 24  # given back as the user set it
+
+
+@pytest.mark.timeout(300)
+def test_an_epoch_end_collective_is_a_cut_not_a_deadlock(tmp_path):
+    # Rounds of 2 steps, claimed batches, rank 1 slow: rank 0 takes most of each epoch's 32 batches and runs rounds
+    # ahead, so it waits at the bound for rank 1's next round. Rank 1 runs out of batches and enters the epoch-end
+    # reduction of train_loss (no validation to cut first). Before the fix it never ended its round there, and rank 0
+    # timed out at the bound (PeerLostError after peer_timeout_s). Now the reduction cuts first: no hang, every step
+    # counted once, the merged model everywhere.
+    strategy = AsyncSSPStrategy(local_steps=2, dynamic_local_steps=False, peer_timeout_s=20, start_method="fork")
+    res, _ = _fit(tmp_path, strategy, EpochLoggedConstantGradModel(slow_rank=1, delay=0.03), steps=48,
+                  limit_val_batches=0)  # fmt: skip
+    steps = [r["steps"] for r in res]
+    assert sum(steps) >= 96 and steps[0] > 1.5 * steps[1], steps
+    expected = -ConstantGradModel.lr * sum(n * (r + 1) for r, n in enumerate(steps)) / 2
+    for r in res:
+        assert torch.equal(r["final"], torch.full_like(r["final"], expected)), (r["final"][:3], expected)
+        assert "train_loss" in r["metrics"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(r["sync_point_s"] > 0 for r in summary["ranks"])  # the cuts are sync points, measured
 
 
 @pytest.mark.timeout(300)
