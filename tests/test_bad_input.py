@@ -45,6 +45,7 @@ from lightning_syncasync.emulate import network as network_mod
 from lightning_syncasync.emulate.__main__ import main as emulate_main
 from lightning_syncasync.strategies import check_strategy_name
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
@@ -180,6 +181,15 @@ def _fit_with_step_checkpoints() -> None:
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(TinyModel())
+
+
+class _SelfSharded(TinyModel):
+    """A module that shards itself with FSDP2 whatever the strategy (fully_shard with its default mesh, every rank)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self)
 
 
 class _Stream(IterableDataset):
@@ -335,6 +345,19 @@ CASES: list[Case] = [
     Case("ssp-two-optimizers", "strategy async_ssp", "AsyncSSPStrategy() with two optimizers",
          _fit(strategy=AsyncSSPStrategy(), model=ManualTwoOptimizersModel()), ValueError,
          r"exactly one optimizer", r"HINT: return one optimizer", SETUP),
+    Case("ssp-sharded-model", "strategy async_ssp", "AsyncSSPStrategy() with a model sharded in configure_model",
+         _fit(strategy=AsyncSSPStrategy(), model=_SelfSharded()), ValueError,
+         r"async_ssp keeps a whole replica of the model on every rank", r"HINT: use hier_sync_sharded or "
+         r"async_ssp_sharded", SETUP),
+    # strategy async_ssp_sharded
+    Case("ssp-sharded-per-step", "strategy async_ssp_sharded", "ShardedAsyncSSPStrategy(local_steps=1)",
+         lambda: ShardedAsyncSSPStrategy(local_steps=1), ValueError, r"local_steps=1 is async_ssp's per-step mode",
+         r"HINT: local_steps=2 or more"),
+    Case("ssp-sharded-one-rank-per-node", "strategy async_ssp_sharded", "ShardedAsyncSSPStrategy(node_size=1)",
+         lambda: ShardedAsyncSSPStrategy(node_size=1), ValueError, r"node_size=1 leaves one rank per node",
+         r"HINT: use hier_sync \(replicas\)"),
+    Case("ssp-sharded-outer", "strategy async_ssp_sharded", "ShardedAsyncSSPStrategy(outer='adam')",
+         lambda: ShardedAsyncSSPStrategy(outer="adam"), ValueError, r"outer must be one of", r"HINT"),
     Case("claim-batch-size", "algorithm ClaimingBatchSampler", "ClaimingBatchSampler(batch_size=0)",
          lambda: ClaimingBatchSampler(100, 0, 0, 2, None), ValueError, r"batch_size must", r"HINT: the DataLoader"),
     Case("claim-too-few-batches", "algorithm ClaimingBatchSampler", "4 ranks, 3 batches per epoch",

@@ -1,6 +1,7 @@
 """What every strategy of the pack does for reliability (issue 10): a ``PeerWatchdog`` so a lost peer ends the run
-fast and by name, a setup-time check that every rank was started with the same settings, and
-:class:`~lightning_syncasync.plugins.AtomicCheckpointIO` as the default checkpoint I/O."""
+fast and by name, a setup-time check that every rank was started with the same settings, a check that a strategy
+keeping whole replicas was not given a sharded model, and :class:`~lightning_syncasync.plugins.AtomicCheckpointIO` as
+the default checkpoint I/O."""
 
 from __future__ import annotations
 
@@ -60,3 +61,26 @@ class WatchedStrategy:
             from lightning_syncasync.callbacks.watchdog import ensure_watchdog  # callbacks sit above strategies
 
             ensure_watchdog(module.trainer, float(getattr(self, "peer_timeout_s", 30.0)))
+
+    def setup(self, trainer: Any) -> None:
+        # configure_model has run (Lightning calls it before strategy.setup), and DDP has not wrapped the model yet.
+        if not getattr(self, "_device_mesh", None):  # the sharding strategies give the module a mesh
+            check_not_sharded(self.lightning_module, getattr(self, "strategy_name", type(self).__name__))  # type: ignore[attr-defined]
+        super().setup(trainer)  # type: ignore[misc]
+
+
+def check_not_sharded(module: Any, name: str) -> None:
+    """Refuse a module whose ``configure_model`` sharded it (FSDP2's DTensors) under a strategy that keeps a whole
+    replica per rank: its averaging, rounds and compression work on whole tensors, and a DTensor there would fail deep
+    in a collective or, worse, average shards as if they were replicas."""
+    if module is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"{name} keeps a whole replica of the model on every rank, but configure_model sharded parameter(s) "
+            f"{sharded[:3]}{' ...' if len(sharded) > 3 else ''} with FSDP2 (DTensors); HINT: use hier_sync_sharded or "
+            "async_ssp_sharded (FSDP2 inside each node), or leave the model unsharded"
+        )

@@ -24,6 +24,7 @@ from lightning_syncasync.callbacks import FaultInjector, PeerWatchdog  # noqa: E
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy  # noqa: E402
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy  # noqa: E402
+from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy  # noqa: E402
 from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy  # noqa: E402
 
@@ -54,6 +55,8 @@ def build(name: str, compression: str, timeout_s: float):
         return HierSyncStrategy(node_size=1, **kw), []
     if name == "hier_sync_sharded":  # 4 ranks as 2 nodes of 2: FSDP2 inside each
         return ShardedHierSyncStrategy(node_size=2, **kw), []
+    if name == "async_ssp_sharded":  # the same layout, rounds across the nodes
+        return ShardedAsyncSSPStrategy(node_size=2, **kw), []
     if name == "async_ssp":
         return AsyncSSPStrategy(staleness=2, **kw), []
     if name == "auto_sync":
@@ -76,7 +79,7 @@ def main() -> None:
     torch.manual_seed(0)
     record = {"rank": rank, "error": None}
     try:
-        trainer.fit(SlowShardedTinyModel() if name == "hier_sync_sharded" else SlowTinyModel())
+        trainer.fit(SlowShardedTinyModel() if name.endswith("_sharded") else SlowTinyModel())
     except BaseException as err:  # noqa: BLE001 - recorded for the test, then re-raised
         record.update(error=f"{type(err).__name__}: {err}"[:2000], t=time.time())
         (out / f"rank{rank}.json").write_text(json.dumps(record))

@@ -70,9 +70,9 @@ def _check_survivors(res: dict, strategy: str, lost: int, label: str, bound_s: f
 
 KILL_CASES = [("ddp", "none"), ("hier_sync", "none"), ("async_ssp", "none"), ("auto_sync", "none"),
               ("ddp_measured", "int8"), ("hier_sync", "int8"), ("async_ssp", "int8"),
-              ("auto_sync", "int8"), ("hier_sync_sharded", "none")]  # fmt: skip
-# Ranks per job: hier_sync_sharded needs nodes of 2 or more ranks (4 ranks as 2 virtual nodes of 2).
-RANKS = {"hier_sync_sharded": 4}
+              ("auto_sync", "int8"), ("hier_sync_sharded", "none"), ("async_ssp_sharded", "none")]  # fmt: skip
+# Ranks per job: the sharded strategies need nodes of 2 or more ranks (4 ranks as 2 virtual nodes of 2).
+RANKS = {"hier_sync_sharded": 4, "async_ssp_sharded": 4}
 # The default run (CI: under 15 minutes on 2 cores) keeps one case per compression path and async_ssp (plain ddp's
 # watchdog is in the default run through the store-host and raising-rank tests below); the rest run with `-m slow`
 # (about 15 s each).
