@@ -22,9 +22,9 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_syncasync.callbacks import FaultInjector, PeerWatchdog  # noqa: E402
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy  # noqa: E402
+from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy  # noqa: E402
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy  # noqa: E402
-from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy  # noqa: E402
 from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy  # noqa: E402
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy  # noqa: E402
 
