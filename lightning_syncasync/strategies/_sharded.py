@@ -63,6 +63,8 @@ class ShardsInsideNodes:
     peer_timeout_s: float
     topology: Topology | None = None
     _cross_group: dist.ProcessGroup | None = None
+    _device_mesh: Any  # set here, read by ModelParallelStrategy
+    _launcher: Any
 
     # -- processes, mesh and groups ------------------------------------------------------------------------------
 
