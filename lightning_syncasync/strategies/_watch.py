@@ -64,7 +64,7 @@ class WatchedStrategy:
 
     def setup(self, trainer: Any) -> None:
         # configure_model has run (Lightning calls it before strategy.setup), and DDP has not wrapped the model yet.
-        if not getattr(self, "_device_mesh", None):  # the sharding strategies give the module a mesh
+        if getattr(self, "_device_mesh", None) is None:  # the sharding strategies give the module a mesh
             check_not_sharded(self.lightning_module, getattr(self, "strategy_name", type(self).__name__))  # type: ignore[attr-defined]
         super().setup(trainer)  # type: ignore[misc]
 
