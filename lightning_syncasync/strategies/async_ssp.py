@@ -139,8 +139,58 @@ class LocalReduceWhileAsync:
         raise NotImplementedError
 
 
+class CutsAtLightningHooks:
+    """Mixin (before ``MergesBeforeUserHooks`` and the Lightning base) for a strategy whose ranks train apart through
+    ``self.rounds`` or ``self.exchange``: validation, ``lightning_module_state_dict`` (checkpoints) and the end of fit
+    happen at a consistent cut (``async_ssp`` and ``async_ssp_sharded``; ``auto_sync`` switches modes and has its
+    own)."""
+
+    rounds: RoundExchange | None
+    exchange: SSPExchange | None
+    sync_stats: StatsRecorder
+    _apply: ApplyFn | None = None
+
+    def _cut(self, stop: bool = False) -> None:
+        """Every update in flight delivered, the replicas (and in round mode the optimizer states) made rank 0's."""
+        start = time.perf_counter()
+        active = self._async_active()  # type: ignore[attr-defined]
+        self._cut_now(stop)
+        if active:
+            self.sync_stats.record_sync_point(time.perf_counter() - start)
+
+    def _cut_now(self, stop: bool) -> None:
+        if self.rounds is not None and self.rounds._thread is not None:
+            self._cut_rounds(stop)  # type: ignore[attr-defined]
+            if stop:
+                _log_rounds(self.rounds)
+        elif self.exchange is not None and self.exchange._thread is not None:
+            self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
+            if stop:
+                _log_staleness(self.exchange)
+
+    def on_validation_start(self) -> None:
+        # Not `trainer.training`: Lightning leaves the training stage before this hook, so that test never held and
+        # validation inside fit saw a replica without the updates still in flight.
+        self._cut()  # validate the merged model
+        super().on_validation_start()  # type: ignore[misc]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._cut()  # all ranks save together: a consistent cut
+        return super().lightning_module_state_dict()  # type: ignore[misc,no-any-return]
+
+    def _merge_replicas(self) -> None:
+        # The model fit() leaves behind (and on_train_end hooks see) is the merged one; the exchange stops on every
+        # rank after the same round.
+        self._cut(stop=True)
+
+
 class AsyncSSPStrategy(
-    WatchedStrategy, LocalReduceWhileAsync, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+    WatchedStrategy,
+    LocalReduceWhileAsync,
+    CutsAtLightningHooks,
+    CheckpointedAlgorithm,
+    MergesBeforeUserHooks,
+    DDPStrategy,
 ):
     """Asynchronous training with bounded staleness (SSP), for any LightningModule.
 
@@ -418,49 +468,13 @@ class AsyncSSPStrategy(
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
-    def _cut(self, stop: bool = False) -> None:
-        """Every update in flight delivered, the replicas (and in round mode the optimizer states) made rank 0's."""
-        start = time.perf_counter()
-        active = self._async_active()
-        self._cut_now(stop)
-        if active:
-            self.sync_stats.record_sync_point(time.perf_counter() - start)
-
-    def _cut_now(self, stop: bool) -> None:
-        if self.rounds is not None and self.rounds._thread is not None:
-            self._cut_rounds(stop)
-            if stop:
-                _log_rounds(self.rounds)
-        elif self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
-            if stop:
-                _log_staleness(self.exchange)
-
     @override
     def _equal_optimizer_states(self) -> None:
         if self._optimizer is not None:
             broadcast_optimizer_state([self._optimizer], src=0)
 
-    @override
-    def on_validation_start(self) -> None:
-        # Not `trainer.training`: Lightning leaves the training stage before this hook, so that test never held and
-        # validation inside fit saw a replica without the updates still in flight.
-        self._cut()  # validate the merged model
-        super().on_validation_start()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._cut()  # all ranks save together: a consistent cut
-        return super().lightning_module_state_dict()
-
     def _algorithm(self) -> Any | None:
         return self.rounds if self.rounds is not None else self.exchange
-
-    @override
-    def _merge_replicas(self) -> None:
-        # The model fit() leaves behind (and on_train_end hooks see) is the merged one; the exchange stops on every
-        # rank after the same round.
-        self._cut(stop=True)
 
     @override
     def teardown(self) -> None:

@@ -28,7 +28,6 @@ which per-rank claiming would break): every rank reads its share of each epoch, 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -54,8 +53,8 @@ from lightning_syncasync.strategies._optim import broadcast_optimizer_state
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
+    CutsAtLightningHooks,
     LocalReduceWhileAsync,
-    _log_rounds,
     check_async_fit,
     finite_closure,
     local_sigterm_check,
@@ -65,7 +64,12 @@ log = logging.getLogger(__name__)
 
 
 class ShardedAsyncSSPStrategy(
-    ShardsInsideNodes, WatchedStrategy, LocalReduceWhileAsync, MergesBeforeUserHooks, ModelParallelStrategy
+    ShardsInsideNodes,
+    WatchedStrategy,
+    LocalReduceWhileAsync,
+    CutsAtLightningHooks,
+    MergesBeforeUserHooks,
+    ModelParallelStrategy,
 ):
     """Round-level asynchronous training of a model sharded inside each node (module docstring).
 
@@ -189,39 +193,13 @@ class ShardedAsyncSSPStrategy(
         self.rounds.after_step()
         return out
 
-    # -- consistent cuts -----------------------------------------------------------------------------------------
-
-    def _cut(self, stop: bool = False) -> None:
-        """Every round delivered; every node's shards and optimizer state made node 0's, shard by shard."""
-        rounds = self.rounds
-        if rounds is None or rounds._thread is None:
-            return
-        start = time.perf_counter()
-        self._cut_rounds(stop)
-        if stop:
-            _log_rounds(rounds)
-        self.sync_stats.record_sync_point(time.perf_counter() - start)
+    # -- consistent cuts (CutsAtLightningHooks) ---------------------------------------------------------------
 
     @override
     def _equal_optimizer_states(self) -> None:
         if self._optimizer is not None:
             assert self._cross_group is not None
             broadcast_optimizer_state([self._optimizer], dist.get_global_rank(self._cross_group, 0), self._cross_group)
-
-    @override
-    def on_validation_start(self) -> None:
-        self._cut()  # validate the merged model (Lightning has left the training stage here)
-        super().on_validation_start()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._cut()  # all ranks save together: a consistent cut
-        return super().lightning_module_state_dict()
-
-    @override
-    def _merge_replicas(self) -> None:
-        # The model fit() leaves behind (and on_train_end hooks see) is the merged one.
-        self._cut(stop=True)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import ShardedTinyAdamModel, ShardedTinyModel
-from lightning.pytorch.callbacks import ModelCheckpoint
-from test_hier_sync_sharded import _fit
+from test_hier_sync_sharded import _fit, resume_at_step_4_matches
 
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
@@ -68,23 +67,12 @@ def test_late_rounds_keep_the_nodes_apart_and_merge_at_the_end_with_half_the_sta
 @pytest.mark.timeout(400)
 def test_resume_from_a_distributed_checkpoint_is_exact(tmp_path):
     make = lambda: _sharded(local_steps=2, dynamic_local_steps=False, outer="nesterov", outer_lr=0.7)  # noqa: E731
-    # 4 ranks x 4 batches per epoch: the checkpoint at step 4 is an epoch end, where Lightning resumes the data exactly.
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    full, _, _ = _fit(tmp_path / "full", make(), ShardedTinyAdamModel, steps=8, callbacks=[ckpt])
-    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    assert path.is_dir() and all((path / f"syncasync_rounds_rank{r}.pt").is_file() for r in range(4))
-    states = [torch.load(path / f"syncasync_rounds_rank{r}.pt", weights_only=True) for r in range(4)]
+    states = resume_at_step_4_matches(tmp_path, make, "syncasync_rounds")
     # Rounds 0 and 1 (ended at steps 2 and 4), and the cut's own round (no steps: it flushed round 1).
     assert all(s["delivered"] == 3 for s in states)
     momenta = [s["outer"]["buffer"] for s in states]
     assert not torch.equal(momenta[0], momenta[1])  # per rank: its shard's
     torch.testing.assert_close(momenta[0], momenta[2])  # the same shard on the other node: the same momentum
-    resumed, _, _ = _fit(tmp_path / "resumed", make(), ShardedTinyAdamModel, steps=8, ckpt_path=str(path),
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=8)])  # fmt: skip
-    for r in range(4):
-        assert len(resumed[r]) == 4
-        for got, want in zip(resumed[r], full[r][4:], strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

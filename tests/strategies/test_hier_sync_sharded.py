@@ -119,19 +119,28 @@ def test_resume_from_a_distributed_checkpoint_is_exact(tmp_path):
     make = lambda: ShardedHierSyncStrategy(  # noqa: E731
         virtual_nodes=2, inter_period=2, max_delay=1, outer="nesterov", outer_lr=0.7, start_method="fork"
     )
+    states = resume_at_step_4_matches(tmp_path, make, "syncasync_averager")
+    momenta = [s["momentum"] for s in states]
+    assert all(m is not None for m in momenta) and not torch.equal(momenta[0], momenta[1])  # per rank: its shard
+
+
+def resume_at_step_4_matches(tmp_path: Path, make, state_prefix: str) -> list[dict]:
+    """Train 8 steps of ShardedTinyAdamModel with a distributed checkpoint at step 4, resume a fresh run from it, and
+    check the resumed steps equal the uninterrupted run's; returns each rank's state file written beside the
+    checkpoint (``{state_prefix}_rank{R}.pt``)."""
     # 4 ranks x 4 batches per epoch: the checkpoint at step 4 is an epoch end, where Lightning resumes the data exactly.
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     full, _, _ = _fit(tmp_path / "full", make(), ShardedTinyAdamModel, steps=8, callbacks=[ckpt])
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    assert path.is_dir() and all((path / f"syncasync_averager_rank{r}.pt").is_file() for r in range(4))
-    momenta = [torch.load(path / f"syncasync_averager_rank{r}.pt", weights_only=True)["momentum"] for r in range(4)]
-    assert all(m is not None for m in momenta) and not torch.equal(momenta[0], momenta[1])  # per rank: its shard
+    assert path.is_dir() and all((path / f"{state_prefix}_rank{r}.pt").is_file() for r in range(4))
+    states = [torch.load(path / f"{state_prefix}_rank{r}.pt", weights_only=True) for r in range(4)]
     resumed, _, _ = _fit(tmp_path / "resumed", make(), ShardedTinyAdamModel, steps=8, ckpt_path=str(path),
                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=8)])  # fmt: skip
     for r in range(4):
         assert len(resumed[r]) == 4
         for got, want in zip(resumed[r], full[r][4:], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    return states
 
 
 @pytest.mark.parametrize(
