@@ -1,4 +1,12 @@
-"""Communication helpers shared by the algorithms: a daemon thread for blocking collectives, and all-gather."""
+"""Communication helpers shared by the algorithms: a daemon thread for blocking collectives, and the collectives
+themselves.
+
+Every collective of the pack goes through the functions here (a test checks it), because they put the tensor where
+the backend needs it: NCCL takes CUDA tensors only, and the pack's CPU metadata (round counters, clocks) must travel
+on the GPU there; gloo takes CPU tensors everywhere (CUDA tensors only for some collectives), so a model on a GPU
+under gloo (several processes sharing one GPU) sends through a CPU copy. Where the tensor is already on the right
+device, nothing is copied.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +20,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms.streams import SideStream
+
 
 class CommThread:
     """One daemon thread that runs blocking collectives in submission order (so every rank issues them in the same
-    order). Daemon: a collective stuck on a dead peer must not keep the interpreter from exiting."""
+    order). Daemon: a collective stuck on a dead peer must not keep the interpreter from exiting.
 
-    def __init__(self, name: str) -> None:
+    Args:
+        name: the thread's name.
+        device: the device of the tensors the jobs use: on CUDA they run on a stream of their own, ordered after the
+            submitting thread's work at :meth:`submit`, and a job's future completes once its data has arrived
+            (:class:`~lightning_syncasync.algorithms.streams.SideStream`).
+        side_stream: ``False`` runs CUDA jobs on the thread's default stream (the same results, no overlap).
+    """
+
+    def __init__(self, name: str, device: torch.device | str | None = None, side_stream: bool = True) -> None:
+        self.side = SideStream(device, side_stream)
         self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the thread, after the work this thread has enqueued so far on its CUDA stream."""
         fut: Future[Any] = Future()
-        self._jobs.put((fn, fut))
+        handoff = self.side.handoff()
+        self._jobs.put((lambda: self.side.run(handoff, fn), fut))
         return fut
 
     def close(self) -> None:
@@ -39,18 +60,57 @@ class CommThread:
                 fut.set_exception(err)
 
 
+def wire_device(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``tensor`` must be for a collective on ``group``: its own device where the backend takes it there."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": a backend per device type
+        types = {part.split(":")[0] for part in backend.split(",")}
+        return tensor.device if tensor.device.type in types else torch.device("cpu")
+    return collective_device(group)
+
+
+def _staged(fn: Callable[..., Any], outs: list[torch.Tensor], ins: list[torch.Tensor], group: Any) -> None:
+    """Run ``fn(*outs, *ins)`` on copies on the wire device when the tensors are elsewhere, and copy the outputs
+    back into ``outs`` (those may be among ``ins``: in-place collectives)."""
+    dev = wire_device((outs or ins)[0], group)
+    if all(t.device == dev for t in [*outs, *ins]):
+        fn(*outs, *ins)
+        return
+    moved = {id(t): t.to(dev) for t in [*outs, *ins]}
+    fn(*[moved[id(t)] for t in outs], *[moved[id(t)] for t in ins])
+    for t in outs:
+        t.copy_(moved[id(t)])
+
+
+def all_reduce_(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> None:
+    """In-place all-reduce of ``tensor`` over ``group`` (wherever ``tensor`` lives; module docstring)."""
+    _staged(lambda t: dist.all_reduce(t, op=op, group=group), [tensor], [], group)
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """In-place broadcast of ``tensor`` from global rank ``src`` over ``group``."""
+    _staged(lambda t: dist.broadcast(t, src=src, group=group), [tensor], [], group)
+
+
 def all_gather_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """All-gather ``tensor`` from every rank of ``group`` into the flat ``out`` (rank order)."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has only it.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, tensor, group=group)
+    _staged(lambda o, t: gather(o, t, group=group), [out], [tensor], group)
 
 
 def reduce_scatter_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Sum ``tensor`` over ``group`` and keep this rank's equal slice of the sum in ``out`` (rank order)."""
     # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns); gloo supports both.
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, tensor, group=group)
+    _staged(lambda o, t: scatter(o, t, group=group), [out], [tensor], group)
+
+
+def all_to_all_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Equal slices of the flat ``tensor`` to every rank of ``group`` in rank order; theirs into ``out``."""
+    _staged(lambda o, t: dist.all_to_all_single(o, t, group=group), [out], [tensor], group)
 
 
 def destroy_groups(*groups: Any) -> None:
@@ -95,10 +155,10 @@ def check_same_on_every_rank(owner: str, settings: dict[str, Any], group: dist.P
     if not names or not dist.is_initialized() or dist.get_world_size(group) < 2:
         return
     crcs = [zlib.crc32(repr(settings[n]).encode()) for n in names]
-    mine_dev = torch.tensor(crcs, dtype=torch.int64, device=collective_device(group))
-    gathered = [torch.empty_like(mine_dev) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine_dev, group=group)
-    table, mine = torch.stack(gathered).cpu(), mine_dev.cpu()
+    mine = torch.tensor(crcs, dtype=torch.int64, device="cpu")
+    gathered = torch.empty(dist.get_world_size(group) * len(crcs), dtype=torch.int64, device="cpu")
+    all_gather_flat(gathered, mine, group)
+    table = gathered.view(-1, len(crcs))
     bad = [i for i in range(len(names)) if not bool((table[:, i] == mine[i]).all())]
     if bad:
         parts = [
@@ -124,13 +184,13 @@ def all_gather_state(state: Any, group: dist.ProcessGroup | None = None) -> list
     leaves, spec = tree_flatten(state)
     layout = repr((spec, [(tuple(x.shape), str(x.dtype)) if torch.is_tensor(x) else x for x in leaves]))
     check_same_on_every_rank("checkpoint state", {"layout": layout}, group)
-    world, device = dist.get_world_size(group), collective_device(group)
+    world = dist.get_world_size(group)
     per_rank = [list(leaves) for _ in range(world)]
     for i, leaf in enumerate(leaves):
         if torch.is_tensor(leaf):
-            sent = leaf.detach().contiguous().to(device)
-            out = [torch.empty_like(sent) for _ in range(world)]
-            dist.all_gather(out, sent, group=group)
+            sent = leaf.detach().contiguous()
+            out = torch.empty((world, *sent.shape), dtype=sent.dtype, device=sent.device)
+            all_gather_flat(out.view(-1), sent.view(-1), group)
             for r in range(world):
-                per_rank[r][i] = out[r].to(leaf.device)
+                per_rank[r][i] = out[r].clone()
     return [tree_unflatten(x, spec) for x in per_rank]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms._comm import broadcast_
+
 
 @torch.no_grad()
 def add_flat_(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
@@ -39,5 +41,5 @@ def broadcast_flat_(tensors: list[torch.Tensor], src: int, group: dist.ProcessGr
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
+        broadcast_(flat, src, group)  # Adam's CPU step counters too, under NCCL
         copy_flat_(same, flat)

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
+from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_, wire_device
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
-from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.algorithms.stats import StatsRecorder, timing_event
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 
 __all__ = ["DelayedAverager", "PeerLostError", "check_settings"]
@@ -94,6 +94,8 @@ class DelayedAverager:
         warmup_steps: steps during which the caller keeps every node identical by itself (gradients averaged over
             all ranks, as ``HierSyncStrategy`` does): no round is launched, and the anchor is re-taken when the
             warm-up ends. Rounds then come every ``inter_period`` steps after it.
+        side_stream: on CUDA, run the compressed rounds on a stream of their own (``algorithms/streams.py``);
+            ``False`` gives the same results without the overlap.
 
     Example::
 
@@ -121,6 +123,7 @@ class DelayedAverager:
         compressor: Compressor | None = None,
         timeout_s: float = 300.0,
         warmup_steps: int = 0,
+        side_stream: bool = True,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum, warmup_steps)
         if timeout_s <= 0:
@@ -140,6 +143,7 @@ class DelayedAverager:
             self.compressor.check_backend(cross_group)  # before any round: a missing collective fails here, named
         self.timeout_s = timeout_s
         self.warmup_steps = warmup_steps
+        self.side_stream = side_stream
         self._thread: CommThread | None = None
         self.peers: list[int] = []
         if cross_group is not None and num_nodes > 1:
@@ -221,7 +225,7 @@ class DelayedAverager:
         if self.num_nodes == 1:
             return
         shard = self._shard()
-        dist.all_reduce(shard, group=cross_group)
+        all_reduce_(shard, cross_group)
         shard /= self.num_nodes
         copy_flat_(self.tensors, self._gather(shard, record=False)[: self.numel])
 
@@ -298,20 +302,22 @@ class DelayedAverager:
         snapshot = self._shard()
         now = time.perf_counter()
         if self.compressor is None or exact:
-            buffer = snapshot.clone()
+            # On the wire's device from the start (a CPU copy under gloo with a model on a GPU): the collective is
+            # asynchronous, so it cannot stage through a copy the way the blocking ones do.
+            buffer = snapshot.to(wire_device(snapshot, self.cross_group), copy=True)
             if self.compressor is not None:
                 # Everything compression held back (this rank's residual and, in the two-phase layout, the server
                 # residual of the part it owns): an exact round flushes it, so a checkpoint holds nothing back.
                 residual = self.compressor.pop_residual("shard", buffer.numel(), self.cross_group)
                 if residual is not None:
-                    buffer += residual
+                    buffer += residual.to(buffer.device)
             work: Any = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
             if self.recorder is not None:
                 self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
             self.pending.append(_Round(self.step, snapshot, self.anchor, buffer, work, now))
             return
         if self._thread is None:
-            self._thread = CommThread("syncasync-inter-node")
+            self._thread = CommThread("syncasync-inter-node", snapshot.device, self.side_stream)
         compressor, group, recorder, delta = self.compressor, self.cross_group, self.recorder, snapshot - self.anchor
 
         def exchange() -> torch.Tensor:
@@ -328,9 +334,13 @@ class DelayedAverager:
             if isinstance(rnd.work, Future):
                 # The group's own timeout fails the collective first; this bound is the backstop.
                 return rnd.base + rnd.work.result(timeout=self.timeout_s + 30.0)
-            rnd.work.wait()
             assert rnd.buffer is not None
-            return rnd.buffer / self.num_nodes
+            # Under NCCL this makes the current stream wait (the host goes on): timed on the stream, by events.
+            before = timing_event(rnd.buffer.device)
+            rnd.work.wait()
+            if before is not None and self.recorder is not None:
+                self.recorder.record_stream_wait(before, timing_event(rnd.buffer.device))
+            return rnd.buffer.to(rnd.base.device) / self.num_nodes
         except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, futures TimeoutError
             waited = time.perf_counter() - rnd.launched_at
             who = f"rank {self.peers[0]}" if len(self.peers) == 1 else f"one of ranks {self.peers}"

@@ -150,7 +150,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             return list(range(self.dataset_len))
         g = torch.Generator()
         g.manual_seed(self.seed + key)
-        return torch.randperm(self.dataset_len, generator=g).tolist()
+        return torch.randperm(self.dataset_len, generator=g, device="cpu").tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         # A new pass: batches prefetched by an abandoned iterator will never reach training.

@@ -137,7 +137,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
+            order = torch.randperm(self.dataset_len, generator=g, device="cpu").tolist()
         else:
             order = list(range(self.dataset_len))
         return [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(self.batches_per_epoch)]

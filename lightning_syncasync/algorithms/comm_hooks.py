@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
+from lightning_syncasync.algorithms.stats import Scope, StatsRecorder, timing_event
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -80,11 +80,14 @@ class MeasuredAllReduce:
         scope = state.scope() if callable(state.scope) else state.scope
         if scope is None or state._alone():
             return state.inner_hook(state.inner_state, bucket)
-        state.recorder.record_launch(buffer.numel() * buffer.element_size(), scope, at=time.perf_counter())
+        # On CUDA the hook returns before the all-reduce runs: events on the streams time it (algorithms/stats.py).
+        launched = timing_event(buffer.device)
+        state.recorder.record_launch(buffer.numel() * buffer.element_size(), scope, time.perf_counter(), launched)
         fut = state.inner_hook(state.inner_state, bucket)
 
         def _done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            state.recorder.record_completion(at=time.perf_counter())
+            # A CUDA future runs its callbacks on a stream that waits for the all-reduce: the event marks its end.
+            state.recorder.record_completion(time.perf_counter(), timing_event(buffer.device))
             return f.value()
 
         return fut.then(_done)

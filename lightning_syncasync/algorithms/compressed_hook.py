@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, reduce_scatter_flat
 from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
+from lightning_syncasync.algorithms.stats import Scope, StatsRecorder, timing_event
 
 # Exchanges a warm-up may use (exact enough to measure the gradients' scale), and the chunk-scaled methods that
 # frozen_rms rescales.
@@ -188,7 +188,7 @@ class CompressedAllReduce:
             self._square_sums[index] = square
         self._square_counts[index] = self._square_counts.get(index, 0) + 1
 
-    def _frozen(self, index: int, numel: int) -> torch.Tensor:
+    def _frozen(self, index: int, numel: int, device: torch.device) -> torch.Tensor:
         """Parameter ``index``'s RMS over the warm-up, frozen at its first use. Every rank computes it from the
         same averaged gradients, so it is identical everywhere and never travels."""
         rms = self._rms.get(index)
@@ -196,7 +196,7 @@ class CompressedAllReduce:
             sums = self._square_sums.pop(index, None)
             count = self._square_counts.pop(index, 0)
             if sums is None or count == 0:
-                rms = torch.ones(numel)  # never seen in the warm-up (e.g. unused then): plain chunk scales
+                rms = torch.ones(numel, device=device)  # never seen in the warm-up (e.g. unused): plain chunk scales
             else:
                 rms = (sums / count).sqrt().float()
                 # A coordinate that was (almost) zero through the warm-up must not blow up later gradients: floor
@@ -204,6 +204,8 @@ class CompressedAllReduce:
                 floor = 1e-3 * rms.mean()
                 rms = rms.clamp_min(floor) if floor > 0 else torch.ones_like(rms)
             self._rms[index] = rms
+        if rms.device != device:  # restored from a checkpoint loaded on the CPU
+            rms = self._rms[index] = rms.to(device)
         return rms
 
     def _hierarchical(
@@ -221,7 +223,7 @@ class CompressedAllReduce:
         k = dist.get_world_size(self.node_group)
         numel = sent.numel()
         padded = torch.nn.functional.pad(sent, (0, -numel % k))
-        shard = torch.empty(padded.numel() // k, dtype=padded.dtype)
+        shard = torch.empty(padded.numel() // k, dtype=padded.dtype, device=padded.device)
         reduce_scatter_flat(shard, padded, self.node_group)
         shard /= k  # the node's mean: the cross-node mean of node means is the world's mean (equal node sizes)
         rank = dist.get_rank(self.node_group)
@@ -268,14 +270,15 @@ class CompressedAllReduce:
                 if held is None:
                     continue
                 total, offset = sum(n for _, n in pieces), offset_of * numel
-                bucket = torch.zeros(max(total, offset + numel))
+                bucket = torch.zeros(max(total, offset + numel), device=held.device)
                 bucket[offset : offset + numel] = held * k
                 pos = 0
                 for i, n in pieces:
                     piece = bucket[pos : pos + n]
                     if scaled:
-                        piece = piece * self._frozen(i, n)  # residuals stay in gradient units
-                    self.residuals[i] = self.residuals[i] + piece if i in self.residuals else piece.clone()
+                        piece = piece * self._frozen(i, n, piece.device)  # residuals stay in gradient units
+                    held_i = self.residuals.get(i)
+                    self.residuals[i] = held_i.to(piece.device) + piece if held_i is not None else piece.clone()
                     pos += n
         self._used = set()
 
@@ -290,7 +293,7 @@ class CompressedAllReduce:
             pieces.append((state._index[id(p)], offset, p.numel(), p.shape))
             offset += p.numel()
         pieces.sort(key=lambda piece: piece[0])
-        state.recorder.record_launch(0, state.scope, at=time.perf_counter())
+        state.recorder.record_launch(0, state.scope, time.perf_counter(), timing_event(buffer.device))
         # Decided here, in bucket order on the training thread, so every bucket of a step (and every rank) agrees.
         warming = state.steps < state.warmup_steps
         compressor = state._warmup if warming else state.compressor
@@ -299,18 +302,22 @@ class CompressedAllReduce:
         if last:
             state.steps += 1
         if state._thread is None:
-            state._thread = CommThread("syncasync-ddp-compression")
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            state._thread = CommThread("syncasync-ddp-compression", buffer.device)
+        # A CUDA-aware future (as the futures of torch's own hooks), so DDP orders its use of the result after it.
+        devices = [buffer.device] if buffer.is_cuda else []
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
 
         def exchange() -> torch.Tensor:
             flat = buffer.detach().float()
             parts = []
             for i, off, n, _ in pieces:
                 residual = state.residuals.get(i)
+                if residual is not None and residual.device != flat.device:  # restored on the CPU
+                    residual = state.residuals[i] = residual.to(flat.device)
                 piece = flat[off : off + n]
                 parts.append(piece + residual if residual is not None else piece)
             sent = torch.cat(parts)
-            rms = torch.cat([state._frozen(i, n) for i, _, n, _ in pieces]) if scaled else None
+            rms = torch.cat([state._frozen(i, n, flat.device) for i, _, n, _ in pieces]) if scaled else None
             if rms is not None:
                 sent = sent / rms  # every element near unit size, so the chunk scale suits them all
             key = ",".join(str(i) for i, *_ in pieces)
@@ -335,8 +342,10 @@ class CompressedAllReduce:
                 pos += n
             if last:
                 state._fold_unused()
-            state.recorder.record_completion(at=time.perf_counter())
-            return out.to(buffer.dtype)
+            out = out.to(buffer.dtype)
+            # The end of this job's work on its stream (CUDA), or now (the CPU's collectives are done when they return).
+            state.recorder.record_completion(time.perf_counter(), timing_event(out.device))
+            return out
 
         def _done(f: "Future[torch.Tensor]") -> None:
             err = f.exception()

@@ -58,7 +58,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm import all_gather_flat
+from lightning_syncasync.algorithms._comm import all_gather_flat, all_reduce_, all_to_all_flat
 
 Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]
 METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "sign", "powersgd")
@@ -70,8 +70,8 @@ COLLECTIVES: tuple[str, ...] = ("auto", "two_phase", "allgather")
 # Backends known to implement all_to_all_single (the two-phase layout's first phase).
 ALL_TO_ALL_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi")
 
-# The bit weights of one packed byte, most significant first.
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+# The bit weights of one packed byte, most significant first (moved to each payload's device where it is used).
+_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device="cpu")
 
 
 def check_method(method: str, setting: str = "compression") -> None:
@@ -237,7 +237,7 @@ class Compressor:
         _check_tensor(tensor)
         flat = tensor.detach().reshape(-1).float()
         if self.error_feedback and key in self.residuals:
-            residual = self.residuals[key]
+            residual = self.residuals[key].to(flat.device)  # loaded from a checkpoint: maybe on the CPU
             if residual.numel() != flat.numel():
                 raise ValueError(
                     f"key {key!r} was used for {residual.numel()} elements and now for {flat.numel()}: "
@@ -265,13 +265,13 @@ class Compressor:
         world = dist.get_world_size(group)
         if self.method == "none":
             out = flat.clone()
-            dist.all_reduce(out, group=group)
+            all_reduce_(out, group)
             self.last_wire = _wire("all_reduce", out.numel() * out.element_size(), world)
             return out / world, flat, out.numel() * out.element_size()
         if self.method in ("fp16", "bf16"):
             half = (flat / world).to(torch.float16 if self.method == "fp16" else torch.bfloat16)
             own = half.float() * world
-            dist.all_reduce(half, group=group)
+            all_reduce_(half, group)
             self.last_wire = _wire("all_reduce", half.numel() * half.element_size(), world)
             return half.float(), own, half.numel() * half.element_size()
         if self.method in CHUNKED:
@@ -297,12 +297,14 @@ class Compressor:
         server = self.server_residuals.pop(key, None)
         if own is None and server is None:
             return None
-        total = own.clone() if own is not None else torch.zeros(numel)
+        like = own if own is not None else server
+        assert like is not None
+        total = own.clone() if own is not None else torch.zeros(numel, device=like.device)
         if server is not None:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             lo = min(rank * server.numel(), numel)
             hi = min(lo + server.numel(), numel)
-            total[lo:hi] += world * server[: hi - lo]
+            total[lo:hi] += world * server[: hi - lo].to(total.device)
         return total
 
     # -- checkpoints ------------------------------------------------------------------------------------------
@@ -344,10 +346,12 @@ class Compressor:
         n = -(-numel // self.chunk_size) * self.chunk_size
         return self._decode_blocks(payload.view(1, -1), n).reshape(-1)[:numel]
 
-    def _rand(self, shape: torch.Size, stream: int) -> torch.Tensor:
-        # (seed, calls, stream): the two phases of one exchange draw from different streams.
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls + stream * 7_919_000_003)
-        return torch.rand(shape, generator=gen)
+    def _rand(self, shape: torch.Size, stream: int, device: torch.device) -> torch.Tensor:
+        # (seed, calls, stream): the two phases of one exchange draw from different streams. Drawn on the tensor's
+        # device (a CUDA generator draws other numbers than a CPU one: stochastic rounding is reproducible per
+        # device type, not across them).
+        gen = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + self.calls + stream * 7_919_000_003)
+        return torch.rand(shape, generator=gen, device=device)
 
     def _encode_blocks(self, blocks: torch.Tensor, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode each row of ``blocks`` (``[b, s]``, ``s`` a multiple of ``chunk_size``) on its own: ``(payload
@@ -360,7 +364,10 @@ class Compressor:
             scale = chunks.abs().amax(dim=2, keepdim=True) / levels
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             x = chunks / safe
-            x = torch.floor(x + self._rand(x.shape, stream)) if self.rounding == "stochastic" else torch.round(x)
+            if self.rounding == "stochastic":
+                x = torch.floor(x + self._rand(x.shape, stream, x.device))
+            else:
+                x = torch.round(x)
             q = x.clamp_(-levels, levels)
             own = (q * scale).reshape(b, s)
             if self.method == "int8":
@@ -372,7 +379,8 @@ class Compressor:
         else:
             scale = chunks.abs().mean(dim=2, keepdim=True)
             positive = chunks >= 0
-            codes = (positive.reshape(b, -1, 8).to(torch.uint8) * _BITS).sum(dim=2, dtype=torch.uint8)
+            bits = _BITS.to(chunks.device)
+            codes = (positive.reshape(b, -1, 8).to(torch.uint8) * bits).sum(dim=2, dtype=torch.uint8)
             own = (torch.where(positive, 1.0, -1.0) * scale).reshape(b, s)
         scales = scale.reshape(b, -1).contiguous().view(torch.uint8)
         return torch.cat([codes.reshape(b, -1), scales], dim=1), own
@@ -389,7 +397,7 @@ class Compressor:
         elif self.method == "int4":
             q = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(b, s).float() - 8.0
         else:
-            positive = (codes.reshape(-1, 1) & _BITS).ne(0)
+            positive = (codes.reshape(-1, 1) & _BITS.to(codes.device)).ne(0)
             q = torch.where(positive, 1.0, -1.0).reshape(b, s)
         return (q.view(b, n_chunks, self.chunk_size) * scale).reshape(b, s)
 
@@ -402,12 +410,13 @@ class Compressor:
         blocks = torch.nn.functional.pad(flat, (0, world * shard - numel)).view(world, shard)
         payload, own = self._encode_blocks(blocks)
         received = torch.empty_like(payload)
-        dist.all_to_all_single(received.view(-1), payload.reshape(-1), group=group)
+        all_to_all_flat(received.view(-1), payload.reshape(-1), group)
         # This rank's shard from every rank, decoded and averaged in rank order: the same sum on any machine.
         averaged = self._decode_blocks(received, shard).sum(dim=0) / world
         if self.error_feedback:
             held = self.server_residuals.get(key)
             if held is not None:
+                held = held.to(averaged.device)
                 if held.numel() != shard:
                     raise ValueError(
                         f"key {key!r} was exchanged in shards of {held.numel()} elements and now of {shard}: the "
@@ -461,7 +470,7 @@ class Compressor:
         if plain:
             # The uncompressed pieces travel together in one all-reduce.
             rest = torch.cat([flat[o : o + n] for o, n in plain])
-            dist.all_reduce(rest, group=group)
+            all_reduce_(rest, group)
             nbytes += rest.numel() * rest.element_size()
             rest /= world
             pos = 0
@@ -474,12 +483,13 @@ class Compressor:
             for i, _, _, c in mats:
                 fkey = f"{key}/{i}"
                 if fkey not in self.factors or self.factors[fkey].shape != (c, self.rank):
+                    # Drawn on the CPU, then moved: the same first factors on every device type.
                     gen = torch.Generator().manual_seed(self.factor_seed * 1_000_003 + i)
-                    self.factors[fkey] = torch.randn(c, self.rank, generator=gen)
-                qs.append(self.factors[fkey])
+                    self.factors[fkey] = torch.randn(c, self.rank, generator=gen, device="cpu").to(flat.device)
+                qs.append(self.factors[fkey].to(flat.device))
             ps = [m @ q for m, q in zip(ms, qs, strict=True)]
             p_flat = torch.cat([p.reshape(-1) for p in ps])
-            dist.all_reduce(p_flat, group=group)
+            all_reduce_(p_flat, group)
             nbytes += p_flat.numel() * p_flat.element_size()
             pos = 0
             for j, p in enumerate(ps):
@@ -487,7 +497,7 @@ class Compressor:
                 pos += p.numel()
             qs = [m.t() @ p for m, p in zip(ms, ps, strict=True)]
             q_flat = torch.cat([q.reshape(-1) for q in qs])
-            dist.all_reduce(q_flat, group=group)
+            all_reduce_(q_flat, group)
             nbytes += q_flat.numel() * q_flat.element_size()
             q_flat /= world
             pos = 0

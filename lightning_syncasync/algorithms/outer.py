@@ -77,6 +77,9 @@ class OuterOptimizer:
         outer state. The same input on every rank gives the same output and state on every rank."""
         if self.outer == "average":
             return pseudo_grad.clone()
+        # State restored from a checkpoint is where the checkpoint was loaded (often the CPU): move it to the data.
+        device = pseudo_grad.device
+        self.buffer, self.pending = (None if t is None else t.to(device) for t in (self.buffer, self.pending))
         if self.buffer is None:
             self.buffer = torch.zeros_like(pseudo_grad)
         if self.outer == "nesterov":

@@ -80,7 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm import CommThread
+from lightning_syncasync.algorithms._comm import CommThread, all_reduce_
 from lightning_syncasync.algorithms._flat import add_flat_, broadcast_flat_
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.outer import OuterOptimizer
@@ -149,6 +149,8 @@ class RoundExchange:
         buffers: tensors made rank 0's at every cut (BatchNorm statistics).
         node_group: the ranks that hold the other shards of this rank's model (module docstring); ``None``: every
             rank is a learner of its own and ``group`` spans every rank.
+        side_stream: on CUDA, run the exchange on a stream of its own (``algorithms/streams.py``); ``False`` gives
+            the same results without the overlap.
 
     Example::
 
@@ -175,6 +177,7 @@ class RoundExchange:
         timeout_s: float = 60.0,
         buffers: Sequence[torch.Tensor] = (),
         node_group: dist.ProcessGroup | None = None,
+        side_stream: bool = True,
     ) -> None:
         check_rounds(local_steps, staleness, round_s)
         if timeout_s <= 0:
@@ -188,6 +191,7 @@ class RoundExchange:
                 f"= world size), got {learners} ranks for a world of {dist.get_world_size()}"
             )
         self.node_group = node_group
+        self.side_stream = side_stream
         self.tensors = params
         self.buffers = list(buffers)
         self.group = group
@@ -222,7 +226,7 @@ class RoundExchange:
 
     def start(self) -> None:
         """Start the exchange thread and agree on a time origin (a collective: every rank calls it)."""
-        self._thread = CommThread("syncasync-rounds")
+        self._thread = CommThread("syncasync-rounds", self.tensors[0].device, self.side_stream)
         self._new_origin()
 
     def close(self) -> None:
@@ -336,8 +340,8 @@ class RoundExchange:
 
     def _new_origin(self) -> None:
         # The latest wall clock of all ranks: every rank's metadata times are then small, non-negative offsets.
-        now = torch.tensor([time.time()], dtype=torch.float64)
-        dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self.group if self.node_group is None else None)
+        now = torch.tensor([time.time()], dtype=torch.float64, device="cpu")
+        all_reduce_(now, self.group if self.node_group is None else None, dist.ReduceOp.MAX)
         self._origin = float(now)
         self._last_step_at = None
 
@@ -345,8 +349,8 @@ class RoundExchange:
         """A round-end decision, the same on every rank of the node (``node_group``): true if any rank's is."""
         if self.node_group is None:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.node_group)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
+        all_reduce_(t, self.node_group, dist.ReduceOp.MAX)
         return bool(t.item())
 
     def _round_over(self) -> bool:
@@ -359,7 +363,8 @@ class RoundExchange:
         theta = self.flat()
         delta = self._base - theta
         self._base = theta
-        meta = torch.zeros(self.world * _FIELDS + 2, dtype=torch.float64)
+        # Host metadata (the loop reads it): it travels on the wire's device and comes back to the CPU.
+        meta = torch.zeros(self.world * _FIELDS + 2, dtype=torch.float64, device="cpu")
         mine = meta[self.rank * _FIELDS : (self.rank + 1) * _FIELDS]
         mine[0], mine[1] = self._steps, self._samples
         mine[2] = self._step_ema if self._step_ema is not None else 0.0
@@ -453,7 +458,7 @@ class RoundExchange:
 
     def _exchange(self, delta: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """On the exchange thread: the metadata, then the pseudo-gradients (exact when every rank flagged a cut)."""
-        dist.all_reduce(meta, group=self.group)
+        all_reduce_(meta, self.group)
         nbytes = meta.numel() * meta.element_size()
         everyone_cut = _count(meta, self.world, 0) == self.world
         if everyone_cut and _count(meta, self.world, 1) == self.world:
@@ -465,7 +470,7 @@ class RoundExchange:
                 residual = self.compressor.pop_residual("round", total.numel(), self.group)
                 if residual is not None:
                     total += residual
-            dist.all_reduce(total, group=self.group)
+            all_reduce_(total, self.group)
             nbytes += total.numel() * total.element_size()
             return total / self.world, meta, nbytes
         mean, sent = self.compressor.allreduce(delta, self.group, key="round")

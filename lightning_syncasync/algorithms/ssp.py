@@ -66,9 +66,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_
 from lightning_syncasync.algorithms.averaging import PeerLostError
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.algorithms.streams import SideStream
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ class SSPExchange:
         num_lrs: learning rates shipped with each gradient (one per param group); a server update uses the mean of
             its gradients' rates, so every replica applies it alike even when the ranks' schedules are at different
             steps.
+        side_stream: on CUDA, run the exchange thread on a stream of its own (``algorithms/streams.py``); ``False``
+            gives the same results without the overlap.
 
     Example::
 
@@ -136,6 +140,7 @@ class SSPExchange:
         buffers: Sequence[torch.Tensor] = (),
         quorum: int | None = None,
         num_lrs: int = 1,
+        side_stream: bool = True,
     ) -> None:
         if staleness is not None and staleness < 0:
             raise ValueError(f"staleness must be >= 0 or None (ASP), got {staleness}; HINT: 0 is synchronous")
@@ -177,14 +182,18 @@ class SSPExchange:
         self.known_clocks = [0] * self.world  # delivered clocks (this rank's own included)
         self.applied = 0  # server updates applied to this replica
         self.stats = SSPStats()
-        self._outbox = torch.zeros(self.numel)
-        self._outbox_lrs = torch.zeros(num_lrs, dtype=torch.float64)
+        # Gradients stay on the model's device; the host figures (learning rates, clocks) on the CPU.
+        self.device = params[0].device
+        self._side = SideStream(self.device, side_stream)
+        self._consumer: Any = None  # the training loop's CUDA stream, taken at start()
+        self._outbox = torch.zeros(self.numel, device=self.device)
+        self._outbox_lrs = torch.zeros(num_lrs, dtype=torch.float64, device="cpu")
         # Per gradient waiting for its round: the server updates the replica held when it was computed.
         self._outbox_reads: list[int] = []
         self._read = 0
         # Gradients received but short of the quorum, and the server updates formed but not applied yet.
-        self._acc = torch.zeros(self.numel)
-        self._acc_lrs = torch.zeros(num_lrs, dtype=torch.float64)
+        self._acc = torch.zeros(self.numel, device=self.device)
+        self._acc_lrs = torch.zeros(num_lrs, dtype=torch.float64, device="cpu")
         self._acc_count = 0
         self._last_lrs: list[float] | None = None
         self._ready: list[tuple[torch.Tensor, list[float], int]] = []
@@ -208,6 +217,7 @@ class SSPExchange:
             self._store = dist.PrefixStore("syncasync_ssp", dist.distributed_c10d._get_default_store())
         self._stop = False
         self._hb_stop.clear()
+        self._consumer = self._side.consumer()
         self._thread = threading.Thread(target=self._loop, name="syncasync-ssp", daemon=True)
         self._thread.start()
         self._hb = threading.Thread(target=self._heartbeat, name="syncasync-ssp-heartbeat", daemon=True)
@@ -289,7 +299,7 @@ class SSPExchange:
         with self._cond:
             if grad is not None:
                 self._outbox += grad
-                self._outbox_lrs += torch.tensor(list(lrs), dtype=torch.float64)
+                self._outbox_lrs += torch.tensor(list(lrs), dtype=torch.float64, device="cpu")
                 self._outbox_reads.append(self._read)
             self.clock += 1
             self._cond.notify_all()
@@ -312,7 +322,7 @@ class SSPExchange:
         with torch.no_grad():
             for t in [*self.tensors, *self.buffers]:
                 # The default group: the exchange thread may already run the next round on its own group.
-                dist.broadcast(t.data, src=self.global_ranks[0])
+                broadcast_(t.data, self.global_ranks[0])
         with self._cond:
             self._cut_requested = False
             self._cond.notify_all()
@@ -339,6 +349,12 @@ class SSPExchange:
     # -- the exchange thread -------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        with self._side.context():
+            self._rounds()
+
+    def _rounds(self) -> None:
+        # On CUDA this runs on the side stream (algorithms/streams.py): it waits for the loop's stream before it
+        # reads what the loop wrote (the outbox), and finishes its own work before it hands anything over.
         try:
             while True:
                 with self._cond:
@@ -358,8 +374,12 @@ class SSPExchange:
                         # The cut's round is done: wait for the training loop to release it.
                         self._cond.wait(timeout=0.05)
                         continue
-                    send, self._outbox = self._outbox, torch.zeros(self.numel)
-                    lrs, self._outbox_lrs = self._outbox_lrs, torch.zeros(self.num_lrs, dtype=torch.float64)
+                    self._side.follow(self._consumer)  # the loop's writes into the outbox first
+                    send, self._outbox = self._outbox, torch.zeros(self.numel, device=self.device)
+                    self._side.flush()  # the new outbox is zero before the loop adds to it
+                    self._side.lend(self._outbox, self._consumer)
+                    fresh_lrs = torch.zeros(self.num_lrs, dtype=torch.float64, device="cpu")
+                    lrs, self._outbox_lrs = self._outbox_lrs, fresh_lrs
                     shipped, self._outbox_reads = self._outbox_reads, []
                     clock, flag = self.clock, 1.0 if self._cut_requested else 0.0
                 self._round(send, lrs, shipped, clock, flag)
@@ -375,27 +395,27 @@ class SSPExchange:
     def _round(self, send: torch.Tensor, lrs: torch.Tensor, shipped: list[int], clock: int, flag: float) -> None:
         # meta: clock per rank, cut flags, gradient count, learning-rate sums. Exact in fp32 below 2**24 (counts);
         # the rates are summed in the same order on every rank, so every rank reads the same mean.
-        meta = torch.zeros(self.world + 2 + self.num_lrs, dtype=torch.float64)
+        meta = torch.zeros(self.world + 2 + self.num_lrs, dtype=torch.float64, device="cpu")
         meta[self.rank] = clock
         meta[self.world] = flag
         meta[self.world + 1] = len(shipped)  # one read per gradient in the outbox
         meta[self.world + 2 :] = lrs
         if self.compressor is None:
             # One all-reduce: the gradients and, in the same fp32 buffer, the metadata.
-            buf = torch.cat([send, meta.float()])
-            dist.all_reduce(buf, group=self.group)
+            buf = torch.cat([send, meta.float().to(send.device)])
+            all_reduce_(buf, self.group)
             nbytes = buf.numel() * buf.element_size()
             total = buf[: self.numel]
-            meta = buf[self.numel :].double()
+            meta = buf[self.numel :].double().cpu()
         else:
             # Metadata first: whether this is the cut's round must be agreed before the payload's format.
-            dist.all_reduce(meta, group=self.group)
+            all_reduce_(meta, self.group)
             nbytes = meta.numel() * meta.element_size()
             if int(round(float(meta[self.world]))) == self.world:
                 # The cut's round is exact and carries the error-feedback residual: nothing stays held back.
                 residual = self.compressor.pop_residual("grad", send.numel(), self.group)
-                exact = (send + residual if residual is not None else send).double()
-                dist.all_reduce(exact, group=self.group)
+                exact = (send + residual.to(send.device) if residual is not None else send).double()
+                all_reduce_(exact, self.group)
                 nbytes += exact.numel() * exact.element_size()
                 total = exact.float()
             else:
@@ -420,6 +440,8 @@ class SSPExchange:
                     self.recorder.record_staleness(landing - s)
             if everyone_flagged:
                 self._cut_round_done = True
+            self._side.lend([grad for grad, _, _ in self._ready], self._consumer)
+            self._side.flush()  # what this round formed is complete before the loop may read it
             self._cond.notify_all()
         if self.recorder is not None:
             self.recorder.record_blocking(nbytes, "intra", 0.0)
@@ -440,8 +462,8 @@ class SSPExchange:
             grad, lrs = self._acc / self.world, self._last_lrs if self._last_lrs is not None else [0.0] * self.num_lrs
         self._ready.append((grad, lrs, self._acc_count))
         self._formed += 1
-        self._acc = torch.zeros(self.numel)
-        self._acc_lrs = torch.zeros(self.num_lrs, dtype=torch.float64)
+        self._acc = torch.zeros(self.numel, device=self.device)
+        self._acc_lrs = torch.zeros(self.num_lrs, dtype=torch.float64, device="cpu")
         self._acc_count = 0
 
     # -- liveness ----------------------------------------------------------------------------------------------

@@ -15,6 +15,13 @@ Two kinds of communication are recorded, because they cost a step differently:
 
 Bytes are the sizes of the tensors handed to collectives (what the caller asked to move), split by whether the
 collective's group spans more than one node. They are measured from the tensors, never estimated.
+
+On CUDA a collective returns before its kernels run, so host clocks around it measure the launch. There, what waits
+on a stream (NCCL's asynchronous work, DDP's buckets) is timed by CUDA events recorded on the streams
+(:meth:`StatsRecorder.record_stream_wait`, ``event=`` of :meth:`~StatsRecorder.record_launch` and
+:meth:`~StatsRecorder.record_completion`), resolved when the step closes. Waits where the host itself blocks (a
+background exchange's result: the pack's communication threads finish their stream before they deliver,
+``algorithms/streams.py``) stay on host clocks, which are right for them.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Scope = Literal["intra", "inter"]
 _SCOPES = ("intra", "inter")
@@ -80,6 +87,10 @@ class _Open:
     blocking_s: float = 0.0
     last_launch: float | None = None
     last_completion: float | None = None
+    # CUDA: the events of the last overlapped launch and completion, and (start, end) events around stream waits.
+    launch_event: Any = None
+    completion_event: Any = None
+    stream_waits: list[tuple[Any, Any]] = field(default_factory=list)
     staleness: list[float] = field(default_factory=list)
     clock_gap: float = 0.0
     # (start, end) of checkpoint saves since the previous step closed: not part of any step's time.
@@ -178,21 +189,34 @@ class StatsRecorder:
             self.checkpoint_s += end - start
             self._open.paused.append((start, end))
 
-    def record_launch(self, nbytes: int, scope: Scope, at: float | None = None) -> None:
-        """Record the launch of an overlapped collective (its completion is recorded by :meth:`record_completion`)."""
+    def record_launch(self, nbytes: int, scope: Scope, at: float | None = None, event: Any = None) -> None:
+        """Record the launch of an overlapped collective (its completion is recorded by :meth:`record_completion`).
+        On CUDA, ``event`` (a timing ``torch.cuda.Event`` recorded on the launching stream just before it) times it
+        on the GPU instead of the host clock (module docstring)."""
         _check(nbytes, scope)
         at = time.perf_counter() if at is None else at
         with self._lock:
             self._open.bytes[scope] += nbytes
-            if self._open.last_launch is None or at > self._open.last_launch:
+            if event is not None:
+                self._open.launch_event = event  # launches come in order: the last one recorded is the last
+            elif self._open.last_launch is None or at > self._open.last_launch:
                 self._open.last_launch = at
 
-    def record_completion(self, at: float | None = None) -> None:
-        """Record the completion of an overlapped collective (may be called from a communication thread)."""
+    def record_completion(self, at: float | None = None, event: Any = None) -> None:
+        """Record the completion of an overlapped collective (may be called from a communication thread); on CUDA
+        ``event`` is a timing event recorded on a stream that waited for it."""
         at = time.perf_counter() if at is None else at
         with self._lock:
-            if self._open.last_completion is None or at > self._open.last_completion:
+            if event is not None:
+                self._open.completion_event = event  # buckets complete in launch order on one stream
+            elif self._open.last_completion is None or at > self._open.last_completion:
                 self._open.last_completion = at
+
+    def record_stream_wait(self, start: Any, end: Any) -> None:
+        """Record a wait of a CUDA stream (``stream.wait_event``, NCCL's ``work.wait()``) between two timing events
+        recorded on that stream just before and after it: the time the stream stalled there."""
+        with self._lock:
+            self._open.stream_waits.append((start, end))
 
     def record_staleness(self, value: float) -> None:
         """Record the staleness (in steps or versions) of one applied update."""
@@ -223,9 +247,13 @@ class StatsRecorder:
             overlap_tail = 0.0
             if cur.last_launch is not None and cur.last_completion is not None:
                 overlap_tail = max(0.0, cur.last_completion - cur.last_launch)
+            if cur.launch_event is not None and cur.completion_event is not None:
+                overlap_tail = max(overlap_tail, _elapsed_s(cur.launch_event, cur.completion_event))
+            stream_wait = sum(_elapsed_s(a, b) for a, b in cur.stream_waits)
             # Wait can never exceed the step itself (a completion stamped late by a busy thread must not make
             # compute time negative).
-            wait = min(cur.blocking_s + overlap_tail, wall) if wall > 0 else cur.blocking_s + overlap_tail
+            waited = cur.blocking_s + overlap_tail + stream_wait
+            wait = min(waited, wall) if wall > 0 else waited
             stal = cur.staleness
             stats = StepStats(
                 step=step,
@@ -246,6 +274,23 @@ class StatsRecorder:
             self._in_step = False
             self.history.append(stats)
         return stats
+
+
+def timing_event(device: Any) -> Any:
+    """A timing event recorded now on ``device``'s current CUDA stream; ``None`` off CUDA (use host clocks)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _elapsed_s(start: Any, end: Any) -> float:
+    """Seconds between two CUDA timing events (waits for ``end``: a no-op when the device was synchronised)."""
+    end.synchronize()
+    return max(0.0, start.elapsed_time(end) / 1000.0)
 
 
 def _check(nbytes: int, scope: str) -> None:

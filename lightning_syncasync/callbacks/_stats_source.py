@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_syncasync.algorithms._comm import all_gather_flat, collective_device
+from lightning_syncasync.algorithms._comm import all_gather_flat
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
@@ -134,11 +134,9 @@ def gather_rows(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
     deprecation on every call, and three callbacks gathering every window flooded the log with it. float64, so
     counters of samples and bytes stay exact.
     """
-    local = torch.tensor(values, dtype=torch.float64)
+    local = torch.tensor(values, dtype=torch.float64, device="cpu")
     if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
         return [local.tolist()]
-    device = collective_device()  # NCCL gathers CUDA tensors only
-    sent = local.to(device)
-    out = torch.empty(dist.get_world_size() * sent.numel(), dtype=sent.dtype, device=device)
-    all_gather_flat(out, sent, group=None)
-    return out.cpu().reshape(-1, sent.numel()).tolist()
+    out = torch.empty(dist.get_world_size() * local.numel(), dtype=local.dtype, device="cpu")
+    all_gather_flat(out, local, group=None)  # through the wire's device (NCCL gathers CUDA tensors only)
+    return out.reshape(-1, local.numel()).tolist()

@@ -41,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import broadcast_
 from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.batch_sampler import VariableBatchSampler
 from lightning_syncasync.algorithms.batching import BatchBalancer
@@ -457,8 +458,9 @@ class AdaptiveBatchSize(Callback):
             head = [float(decision is not None), float(grown), self._gain(),
                     nan if noise.grad_sq is None else noise.grad_sq, nan if noise.trace is None else noise.trace,
                     float(noise.updates)]  # fmt: skip
-            buf.copy_(torch.tensor(head + [float(b) for b in (decision or [0] * world)], dtype=torch.float64))
-        torch.distributed.broadcast(buf, src=0)
+            values = head + [float(b) for b in (decision or [0] * world)]
+            buf.copy_(torch.tensor(values, dtype=torch.float64, device="cpu"))
+        broadcast_(buf, 0)
         values = buf.cpu().tolist()
         grad_sq, trace = values[3], values[4]
         self.noise.load_state_dict(

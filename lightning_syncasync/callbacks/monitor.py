@@ -75,6 +75,11 @@ class SyncMonitor(Callback):
             rebuild, cold caches) that would blur a throughput comparison of short runs.
         summary_file: if set, rank 0 also writes :attr:`summary` there as JSON. With ``spawn`` start methods the
             callback runs in child processes, so this file is how the launching process gets the figures.
+        cuda_sync: on a GPU, synchronise the device when a step ends (and when validation ends) before reading the
+            clock, as Lightning's ``ThroughputMonitor`` does: CUDA kernels run after the host has moved on, so host
+            clocks alone time the launches, not the step. It costs the host's lead of up to one step over the GPU
+            (``scripts/gpu_check.sh`` measures it). Waits on CUDA streams are timed by events either way
+            (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch times.
 
     Example::
 
@@ -89,8 +94,12 @@ class SyncMonitor(Callback):
         smoothing: float = 0.9,
         warmup_steps: int = 0,
         summary_file: str | None = None,
+        cuda_sync: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(cuda_sync, bool):
+            raise ValueError(f"cuda_sync must be true or false, got {cuda_sync!r}")
+        self.cuda_sync = cuda_sync
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}; 0.9 is a good default")
         self.prefix = prefix
@@ -183,6 +192,7 @@ class SyncMonitor(Callback):
     ) -> None:
         if self._recorder is None:
             return
+        self._synchronize(pl_module)
         stats = self._recorder.end_step(step=trainer.global_step, samples=extract_batch_size(batch))
         self._last_end = time.perf_counter()
         self._accumulate(stats)
@@ -234,6 +244,7 @@ class SyncMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._synchronize(pl_module)
         self._last_end = time.perf_counter()
 
     @override
@@ -243,6 +254,7 @@ class SyncMonitor(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation is not a training step: the next step starts counting from here.
+        self._synchronize(pl_module)
         self._last_end = time.perf_counter()
         if self._val_start is not None and not trainer.sanity_checking:
             self._val_total_s += self._last_end - self._val_start
@@ -276,7 +288,7 @@ class SyncMonitor(Callback):
             "checkpoint_s": self._recorder.checkpoint_s,
         }
         local = [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS]
-        gathered = torch.tensor(gather_rows(trainer, local), dtype=torch.float64)
+        gathered = torch.tensor(gather_rows(trainer, local), dtype=torch.float64, device="cpu")
         self.summary = _summarise(gathered, trainer, self._recorder.mode)
         self.summary["fit_wall_s"] = time.perf_counter() - self._fit_start
         # This rank's whole-run histograms of version staleness and SSP clock gaps ({value: count}).
@@ -312,6 +324,12 @@ class SyncMonitor(Callback):
         if isinstance(bar, RichProgressBar):
             bar.teardown(trainer, pl_module, "fit")
         _print_summary(self.summary)
+
+    def _synchronize(self, pl_module: pl.LightningModule) -> None:
+        """On a GPU, wait for the device's queued work, so the clock read next is the step's end (``cuda_sync``)."""
+        device = pl_module.device
+        if self.cuda_sync and device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def _accumulate(self, stats: StepStats) -> None:
         self._samples_seen += stats.samples

@@ -185,7 +185,7 @@ class SyncSwitcher(Callback):
         var = sum((x - mean) ** 2 for x in per_sample) / len(per_sample) if per_sample else 0.0
         wall = sum(s.wall_s for s in steps)
         wait = sum(s.wait_s for s in steps)
-        losses = torch.cat(self._losses).cpu() if self._losses else torch.empty(0)
+        losses = torch.cat(self._losses).cpu() if self._losses else torch.empty(0, device="cpu")
         self._losses = []
         finite = losses[torch.isfinite(losses)]
         nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None

@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import check_same_on_every_rank, destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, check_same_on_every_rank, destroy_groups
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._optim import local_part
 
@@ -136,7 +136,7 @@ class ShardsInsideNodes:
             shards = [local_part(p) for _, p in named]  # views of FSDP's sharded storage: updated in place
             src = dist.get_global_rank(self._cross_group, 0)
             for shard in shards:
-                dist.broadcast(shard, src=src, group=self._cross_group)
+                broadcast_(shard, src, self._cross_group)
         return shards
 
     def _local_shards_unchecked(self) -> list[torch.Tensor]:

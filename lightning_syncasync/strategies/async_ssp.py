@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups
 from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
@@ -329,7 +329,7 @@ class AsyncSSPStrategy(
         assert self.model is not None
         with torch.no_grad():
             for t in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(t.data, src=0)
+                broadcast_(t.data, 0)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

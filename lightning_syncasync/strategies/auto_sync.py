@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
@@ -352,7 +352,7 @@ class AutoSyncStrategy(
         if module is None:
             return
         for b in module.buffers():
-            dist.broadcast(b.data, src=0)
+            broadcast_(b.data, 0)
 
     def _nodes_apart(self) -> bool:
         return self.averager is not None  # hier mode; async rounds make the states rank 0's at their cut

@@ -26,7 +26,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -190,7 +190,7 @@ class HierSyncStrategy(
         # DDP broadcasts the initial weights inside the node group only; the nodes must start from one model too.
         with torch.no_grad():
             for t in tensors:
-                dist.broadcast(t.data, src=0)
+                broadcast_(t.data, 0)
         self.averager = DelayedAverager(
             tensors,
             cross_group=self._cross_group,

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import all_gather_state, destroy_groups
+from lightning_syncasync.algorithms._comm import all_gather_state, broadcast_, destroy_groups
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
 from lightning_syncasync.algorithms.compressed_hook import RESCALED_METHODS, WARMUP_METHODS, CompressedAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -307,7 +307,7 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
             return
         average_parameters(iter([p for p in module.parameters() if p.requires_grad]), world)
         for b in module.buffers():
-            dist.broadcast(b.data, src=0)
+            broadcast_(b.data, 0)
 
     def _averaging_scope(self) -> Literal["intra", "inter"] | None:
         """Which link the averager's all-reduce at this step crosses (``None``: it does not communicate)."""

@@ -1,0 +1,79 @@
+"""Start the ranks of ``tests/_rank_job.py`` as torchrun would (environment variables), wait for them (bounded),
+and return what each wrote. Used on the CPU by the default suite and on one shared GPU by ``tests/gpu``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+JOB = Path(__file__).with_name("_rank_job.py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    out: Path,
+    strategy: str,
+    accelerator: str = "cpu",
+    options: dict[str, Any] | None = None,
+    steps: int = 12,
+    ranks: int = 2,
+    env: dict[str, str] | None = None,
+    deterministic: bool = False,
+    timeout_s: float = 120.0,
+) -> list[dict[str, Any]]:
+    """Run the job on ``ranks`` ranks (nodes of 1) and return each rank's record, in rank order. Raises with every
+    rank's log when a rank fails or the job outlives ``timeout_s``."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(ranks):
+        rank_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(ranks),
+            "NODE_RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            **(env or {}),
+        }
+        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        logs.append(log)
+        cmd = [sys.executable, str(JOB), "--accelerator", accelerator, "--strategy", strategy]
+        cmd += ["--options", json.dumps(options or {}), "--steps", str(steps), "--out", str(out)]
+        cmd += ["--ranks", str(ranks)] + (["--deterministic"] if deterministic else [])
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(5.0)  # let the other rank fail too, then report both
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if any(p.returncode != 0 for p in procs):
+        text = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{(out / f'rank{r}.log').read_text()[-6000:]}"
+                         for r, p in enumerate(procs))  # fmt: skip
+        raise AssertionError(f"{strategy} on {accelerator} failed or timed out after {timeout_s:g}s:\n{text}")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
