@@ -85,9 +85,7 @@ class _Report(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         owners = {"strategy": trainer.strategy, "callbacks": [c for c in trainer.callbacks if c is not self]}
-        self.tensors = [
-            (p, t.device.type, str(t.dtype), t.numel()) for p, t in sorted(owned_tensors(owners).items())
-        ]
+        self.tensors = [(p, t.device.type, str(t.dtype), t.numel()) for p, t in sorted(owned_tensors(owners).items())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deterministic", action="store_true")
     args = p.parse_args(argv)
 
-    import lightning_syncasync  # noqa: F401 - registers the strategy names
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_syncasync  # noqa: F401 - registers the strategy names
 
     torch.set_num_threads(1)
     seed_everything(args.seed, workers=True)

@@ -24,56 +24,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(
-    out: Path,
-    strategy: str,
-    accelerator: str = "cpu",
-    options: dict[str, Any] | None = None,
-    steps: int = 12,
-    ranks: int = 2,
-    env: dict[str, str] | None = None,
-    deterministic: bool = False,
-    timeout_s: float = 120.0,
-) -> list[dict[str, Any]]:
-    """Run the job on ``ranks`` ranks (nodes of 1) and return each rank's record, in rank order. Raises with every
-    rank's log when a rank fails or the job outlives ``timeout_s``."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(ranks):
-        rank_env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(ranks),
-            "NODE_RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-            **(env or {}),
-        }
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        cmd = [sys.executable, str(JOB), "--accelerator", accelerator, "--strategy", strategy]
-        cmd += ["--options", json.dumps(options or {}), "--steps", str(steps), "--out", str(out)]
-        cmd += ["--ranks", str(ranks)] + (["--deterministic"] if deterministic else [])
-        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(5.0)  # let the other rank fail too, then report both
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    if any(p.returncode != 0 for p in procs):
-        text = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{(out / f'rank{r}.log').read_text()[-6000:]}"
-                         for r, p in enumerate(procs))  # fmt: skip
-        raise AssertionError(f"{strategy} on {accelerator} failed or timed out after {timeout_s:g}s:\n{text}")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+class RankJob:
+    """The ranks of one job, started; :meth:`wait` collects them. Several jobs can run at once (a GPU run and its
+    CPU reference side by side)."""
+
+    def __init__(
+        self,
+        out: Path,
+        strategy: str,
+        accelerator: str = "cpu",
+        options: dict[str, Any] | None = None,
+        steps: int = 12,
+        ranks: int = 2,
+        env: dict[str, str] | None = None,
+        deterministic: bool = False,
+        timeout_s: float = 120.0,
+    ) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.strategy, self.accelerator, self.ranks = out, strategy, accelerator, ranks
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        port = _free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = []
+        for rank in range(ranks):
+            rank_env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(ranks),
+                "NODE_RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                **(env or {}),
+            }
+            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
+            self.logs.append(log)
+            cmd = [sys.executable, str(JOB), "--accelerator", accelerator, "--strategy", strategy]
+            cmd += ["--options", json.dumps(options or {}), "--steps", str(steps), "--out", str(out)]
+            cmd += ["--ranks", str(ranks)] + (["--deterministic"] if deterministic else [])
+            self.procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+
+    def wait(self) -> list[dict[str, Any]]:
+        """Each rank's record, in rank order. Raises with every rank's log when a rank fails or the job outlives its
+        ``timeout_s``."""
+        procs = self.procs
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < self.deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(5.0)  # let the other ranks fail too, then report them all
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in self.logs:
+                log.close()
+        if any(p.returncode != 0 for p in procs):
+            text = "\n".join(
+                f"--- rank {r} (exit {p.returncode}):\n{(self.out / f'rank{r}.log').read_text()[-6000:]}"
+                for r, p in enumerate(procs)
+            )
+            raise AssertionError(
+                f"{self.strategy} on {self.accelerator} failed or timed out after {self.timeout_s:g}s:\n{text}"
+            )
+        return [torch.load(self.out / f"rank{r}.pt", weights_only=False) for r in range(self.ranks)]
+
+
+def run_ranks(out: Path, strategy: str, accelerator: str = "cpu", *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run the job on ``ranks`` ranks (nodes of 1) and return each rank's record, in rank order (:class:`RankJob`)."""
+    return RankJob(out, strategy, accelerator, *args, **kwargs).wait()

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One-command GPU check: the GPU tests (tests/gpu, marker gpu), then the one-process benchmark
+# (python -m lightning_syncasync.bench.gpu: memory bandwidth, codec throughput, steps/s of every strategy at one GPU).
+#
+#   scripts/gpu_check.sh [OUT_DIR] [BENCHMARK OPTIONS...]
+#   scripts/gpu_check.sh gpu_check_out --rounds 5 --strategies hier_sync,async_ssp
+#
+# OUT_DIR (default gpu_check_out) receives gpu_tests.xml (JUnit) and gpu_tests.log, then gpu_check.json (the summary,
+# the test results included) and gpu_bench.log. The benchmark runs even when the tests fail, so one run gives both;
+# the exit status is non-zero when either failed.
+#
+# Sized for 8 minutes on one H200: each stage has a hard time limit, GPU_CHECK_TESTS_TIMEOUT_S (default 330) and
+# GPU_CHECK_BENCH_TIMEOUT_S (default 150), so a hung NCCL start cannot eat the machine's time; the benchmark writes
+# its JSON after every stage, so a killed one still leaves what it measured.
+# PYTHON picks the interpreter (default: python). The package need not be installed: the repo goes on PYTHONPATH.
+# SYNCASYNC_GPU_CHECK_CPU=1 skips the CUDA check and benchmarks with --device cpu: only for trying this script on a
+# machine without a GPU (add small sizes: --numel 1000000 --steps 5 --warmup-steps 3 --rounds 1).
+set -euo pipefail
+
+PYTHON="${PYTHON:-python}"
+tests_timeout="${GPU_CHECK_TESTS_TIMEOUT_S:-330}"
+bench_timeout="${GPU_CHECK_BENCH_TIMEOUT_S:-150}"
+cpu_mode="${SYNCASYNC_GPU_CHECK_CPU:-0}"
+
+# The first argument is the output folder unless it is already a benchmark option.
+out_arg="gpu_check_out"
+if [[ $# -gt 0 && "$1" != -* ]]; then
+    out_arg="$1"
+    shift
+fi
+mkdir -p "$out_arg"
+out_dir="$(cd "$out_arg" && pwd)"  # absolute before the cd below, so a relative OUT_DIR means the caller's folder
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH
+
+say() { echo "gpu_check: $*"; }
+
+if [[ "$cpu_mode" == "1" ]]; then
+    say "SYNCASYNC_GPU_CHECK_CPU=1: no CUDA check, benchmark on --device cpu (a smoke run of this script, not a GPU check)"
+    device_args=(--device cpu)
+else
+    if ! "$PYTHON" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+        torch_line="$("$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}")' 2>&1 || true)"
+        {
+            echo "gpu_check: error: no usable CUDA device: $PYTHON -c 'import torch; assert torch.cuda.is_available()'"
+            echo "    failed ($torch_line)."
+            echo "    HINT: run this on a GPU machine with a CUDA build of torch; check nvidia-smi and"
+            echo "    CUDA_VISIBLE_DEVICES, or point PYTHON at the interpreter that has the CUDA build."
+        } >&2
+        exit 2
+    fi
+    device_args=()
+fi
+
+# Results of an earlier run must not pass for this one's.
+rm -f "$out_dir/gpu_tests.xml" "$out_dir/gpu_tests.log" "$out_dir/gpu_check.json" "$out_dir/gpu_bench.log"
+
+tests_rc=0
+if [[ ! -d tests/gpu ]]; then
+    say "tests/gpu not found in $repo_root: no GPU tests to run (counted as a failure); going on to the benchmark"
+    tests_rc=4  # pytest's own status for a missing test path
+else
+    say "GPU tests (at most ${tests_timeout}s): pytest -m gpu tests/gpu"
+    timeout -k 10 "$tests_timeout" "$PYTHON" -m pytest -m gpu tests/gpu -p no:cacheprovider \
+        --junitxml "$out_dir/gpu_tests.xml" 2>&1 | tee "$out_dir/gpu_tests.log" || tests_rc=$?
+    case "$tests_rc" in
+        0) say "GPU tests passed" ;;
+        1) say "GPU tests: some failed (see $out_dir/gpu_tests.log)" ;;
+        5) say "GPU tests: none collected (no test under tests/gpu carries the gpu marker); counted as a failure" ;;
+        124 | 137) say "GPU tests: stopped after ${tests_timeout}s (GPU_CHECK_TESTS_TIMEOUT_S)" ;;
+        *) say "GPU tests: pytest exited with status $tests_rc (see $out_dir/gpu_tests.log)" ;;
+    esac
+fi
+
+bench_args=(--out "$out_dir/gpu_check.json" --pytest-exit-code "$tests_rc")
+if [[ -f "$out_dir/gpu_tests.xml" ]]; then
+    bench_args+=(--pytest-junitxml "$out_dir/gpu_tests.xml")
+fi
+say "benchmark (at most ${bench_timeout}s): python -m lightning_syncasync.bench.gpu"
+bench_rc=0
+timeout -k 10 "$bench_timeout" "$PYTHON" -m lightning_syncasync.bench.gpu "${bench_args[@]}" \
+    ${device_args[@]+"${device_args[@]}"} "$@" 2>&1 | tee "$out_dir/gpu_bench.log" || bench_rc=$?
+case "$bench_rc" in
+    0) say "benchmark done" ;;
+    124 | 137) say "benchmark: stopped after ${bench_timeout}s (GPU_CHECK_BENCH_TIMEOUT_S); partial results kept" ;;
+    *) say "benchmark: exited with status $bench_rc (see $out_dir/gpu_bench.log)" ;;
+esac
+
+say "summary: $out_dir/gpu_check.json (tests: status $tests_rc, benchmark: status $bench_rc)"
+if [[ "$tests_rc" -ne 0 || "$bench_rc" -ne 0 ]]; then
+    exit 1
+fi

@@ -1,0 +1,172 @@
+"""CUDA streams, events and timing: the side stream's ordering and overlap, stream waits timed by events,
+``SyncMonitor``'s step times on a GPU, and the compressors' codecs on CUDA against the CPU's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _gpu import ACCELERATOR, DEVICE, gpu_tests, needs_cuda
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_syncasync.algorithms._comm import CommThread
+from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.stats import StatsRecorder, timing_event
+from lightning_syncasync.algorithms.streams import SideStream
+from lightning_syncasync.callbacks.monitor import SyncMonitor
+
+pytestmark = gpu_tests
+
+
+def _cycles_for(seconds: float) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``seconds`` (measured here: clocks vary)."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm-up (clock ramp)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * seconds / (start.elapsed_time(end) / 1000.0))
+
+
+@needs_cuda
+@pytest.mark.timeout(60)
+def test_a_job_sees_what_the_loop_wrote_before_it_and_is_finished_when_delivered():
+    x = torch.zeros(1 << 20, device="cuda")
+    thread = CommThread("test-side", device=torch.device("cuda"))
+    try:
+        torch.cuda._sleep(_cycles_for(0.1))  # the loop's stream is busy: the fill below runs 0.1 s from now
+        x.fill_(1.0)
+        done = torch.cuda.Event()
+
+        def job() -> torch.Tensor:
+            total = x.sum()
+            done.record()
+            return total
+
+        total = thread.submit(job).result(timeout=30)
+        # Ordered after the fill (without the handoff event the side stream would have summed zeros), and finished:
+        # the event recorded at the job's end has completed when the future is done.
+        assert done.query()
+        assert float(total) == x.numel()
+    finally:
+        thread.close()
+
+
+@needs_cuda
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_side_stream_runs_beside_the_loop_and_without_it_after(enabled):
+    side = SideStream("cuda", enabled=enabled)
+    cycles = _cycles_for(0.1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    handoff = side.handoff()
+    torch.cuda._sleep(cycles)  # the loop's compute, enqueued after the handoff
+
+    def job() -> None:
+        torch.cuda._sleep(cycles)  # the exchange's work
+
+    import threading
+
+    worker = threading.Thread(target=lambda: side.run(handoff, job))
+    worker.start()
+    worker.join(timeout=30)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    if enabled:
+        assert elapsed < 0.17, f"0.1 s beside 0.1 s took {elapsed:.3f}s: no overlap"
+    else:
+        assert elapsed > 0.19, f"the default stream serialises them, yet both took {elapsed:.3f}s"
+
+
+@needs_cuda
+@pytest.mark.timeout(60)
+def test_a_stream_wait_is_timed_by_events_not_by_the_host():
+    recorder = StatsRecorder()
+    recorder.begin_step()
+    side = torch.cuda.Stream()
+    cycles = _cycles_for(0.05)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        arrived = torch.cuda.Event()
+        arrived.record(side)
+    host = time.perf_counter()
+    before = timing_event(torch.device("cuda"))
+    torch.cuda.current_stream().wait_event(arrived)  # returns at once on the host
+    recorder.record_stream_wait(before, timing_event(torch.device("cuda")))
+    host = time.perf_counter() - host
+    stats = recorder.end_step(step=0, samples=1)
+    assert host < 0.02
+    assert 0.035 < stats.wait_s < 0.08, stats
+
+
+class SleepyModel(LightningModule):
+    """A training step that keeps the GPU busy for ``seconds`` after the host has moved on."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        if self.device.type == "cuda":
+            torch.cuda._sleep(self.cycles)
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_sync_monitor_times_the_gpus_step_not_its_launch():
+    monitor = SyncMonitor(progress_bar=False, print_summary=False, warmup_steps=2)
+    trainer = Trainer(
+        accelerator=ACCELERATOR,
+        devices=1,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+    )
+    trainer.fit(SleepyModel(_cycles_for(0.03)))
+    ranks = monitor.summary["ranks"]
+    per_step = 1.0 / ranks[0]["samples_per_s"] * 8  # seconds per step of 8 samples
+    assert per_step > 0.027, f"{per_step:.4f}s per step: the monitor read the clock before the GPU was done"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["int8", "int4", "sign"])
+def test_the_codecs_give_on_the_gpu_what_they_give_on_the_cpu(method):
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(0))
+    comp = Compressor(method)
+    payload_cpu, own_cpu = comp._encode(x)
+    payload_dev, own_dev = comp._encode(x.to(DEVICE))
+    assert payload_dev.device.type == torch.device(DEVICE).type
+    decoded = comp._decode(payload_dev, x.numel()).cpu()
+    torch.testing.assert_close(decoded, own_dev.cpu())
+    # Rounding can differ where a value sits on a rounding boundary to the last bit: a handful of elements at most.
+    differ = (own_dev.cpu() - own_cpu).abs() > 1e-6 * x.abs().max()
+    assert int(differ.sum()) <= 10
+    assert int((payload_dev.cpu() != payload_cpu).sum()) <= 10
+
+
+@pytest.mark.timeout(60)
+def test_stochastic_rounding_draws_on_the_device_and_is_unbiased():
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    comp = Compressor("int8", rounding="stochastic")
+    _, own = comp._encode(x)
+    assert own.device == x.device
+    scale = x.abs().max() / 127
+    assert float((own - x).mean().abs()) < 0.01 * float(scale)

@@ -1,0 +1,68 @@
+"""Every registered strategy on one GPU (``devices=1``, Lightning's default backend there: NCCL), and the DeepSpeed
+presets training the transformer demo through the Hydra app."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _gpu import ACCELERATOR, DRY_RUN, gpu_tests, misplaced
+from _ranks import REPO, run_ranks
+
+from lightning_syncasync.bench.gpu import EXCLUDED_AT_WORLD_SIZE_1
+from lightning_syncasync.strategies._registry import pack_strategy_names
+
+pytestmark = gpu_tests
+
+# The names that run on one rank (the benchmark's list and reasons: lightning_syncasync/bench/gpu.py); the sharded
+# ones need 2 ranks per node, which one GPU cannot give NCCL. deepspeed_cpu has the presets test below.
+ONE_RANK = [n for n in pack_strategy_names() if not n.endswith("_spawn") and n not in EXCLUDED_AT_WORLD_SIZE_1]
+
+
+def test_the_one_rank_list_is_every_replica_strategy():
+    assert {"hier_sync", "async_ssp", "auto_sync", "ddp_measured"} <= set(ONE_RANK)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ONE_RANK)
+def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
+    (rank,) = run_ranks(tmp_path, name, ACCELERATOR, {}, steps=10, ranks=1)
+    assert len(rank["losses"]) == 10
+    assert rank["losses"][-1] < rank["losses"][0], "it did not learn"
+    backend = "gloo" if DRY_RUN else "nccl"
+    assert not misplaced(rank["tensors"], backend), misplaced(rank["tensors"], backend)
+
+
+PRESETS = ["deepspeed_fp16", "deepspeed_zero2_bf16", "deepspeed_zero3_offload"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_deepspeed_presets_train_the_transformer_demo_on_one_gpu(tmp_path, preset):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (pip install '.[deepspeed]')")
+    pytest.importorskip("hydra")
+    if DRY_RUN:
+        pytest.skip("the presets are GPU presets (fp16 needs CUDA)")
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_syncasync.train",
+        "experiment=lm",
+        f"strategy={preset}",
+        "trainer=gpu",
+        "trainer.devices=1",
+        "trainer.max_steps=30",
+        "trainer.max_epochs=1",
+        "trainer.limit_val_batches=2",
+        "trainer.enable_progress_bar=false",
+        "callbacks.model_checkpoint=null",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    summary = json.loads((tmp_path / "sync_summary.json").read_text())
+    assert summary["ranks"][0]["steps"] >= 20, summary
+    # SyncMonitor's peak CUDA allocation: the model, its ZeRO states and activations (a few MB at least).
+    assert summary["cuda_peak_mb"] > 1.0, summary

@@ -1,0 +1,124 @@
+"""python -m lightning_syncasync.bench.gpu: a seconds-long CPU smoke run of the whole check, and its refusals.
+
+The check is meant for a GPU (scripts/gpu_check.sh); here it runs with ``--device cpu`` and tiny sizes, so what is
+tested is the plumbing (every section measured, the JSON's shape, the process group torn down after each fit), not
+the numbers."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _commands import CommandFailed, run_main
+
+from lightning_syncasync.bench.gpu import (
+    BASELINE,
+    DEFAULT_METHODS,
+    EXCLUDED_AT_WORLD_SIZE_1,
+    TARGET_INT8,
+    TARGET_STRATEGIES,
+    default_strategies,
+)
+from lightning_syncasync.bench.gpu import main as gpu_main
+from lightning_syncasync.strategies import pack_strategy_names
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="1" skipped="1" tests="3">
+<testcase classname="tests.gpu.test_x" name="test_ok" time="0.5"/>
+<testcase classname="tests.gpu.test_x" name="test_bad" time="1.0">
+<failure message="assert 1 == 2">tb</failure></testcase>
+<testcase classname="tests.gpu.test_x" name="test_skip" time="0"><skipped message="no NCCL"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.timeout(180)
+def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
+    out = tmp_path / "sub" / "gpu_check.json"
+    junit = tmp_path / "gpu_tests.xml"
+    junit.write_text(JUNIT)
+    argv = ["--device", "cpu", "--numel", "100000", "--steps", "3", "--warmup-steps", "2", "--strategies",
+            "hier_sync", "--rounds", "1", "--out", str(out), "--pytest-junitxml", str(junit),
+            "--pytest-exit-code", "1"]  # fmt: skip
+    table = run_main(gpu_main, argv)
+    assert not dist.is_initialized()  # hier_sync's one-rank process group was torn down after its fit
+
+    summary = json.loads(out.read_text())
+    dev = summary["device"]
+    assert dev["kind"] == "cpu" and dev["torch"] == torch.__version__ and dev["hostname"]
+    assert datetime.datetime.fromisoformat(dev["date_utc"]).tzinfo is not None
+    assert summary["settings"]["strategies"] == ["hier_sync"] and summary["settings"]["numel"] == 100_000
+
+    assert _positive(summary["bandwidth_gbps"]) and summary["bandwidth"]["bytes_copied"] == 4 * 100_000 * 4
+    assert list(summary["compression"]) == list(DEFAULT_METHODS)
+    for method, rec in summary["compression"].items():
+        assert rec["error"] is None, (method, rec["error"])
+        assert _positive(rec["encode_s"]) and _positive(rec["decode_s"]) and _positive(rec["gbps"]), method
+        assert rec["gbps"] == pytest.approx(100_000 * 4 / (rec["encode_s"] + rec["decode_s"]) / 1e9)
+        assert rec["fraction_of_bandwidth"] == pytest.approx(rec["gbps"] / summary["bandwidth_gbps"])
+
+    rates = summary["steps_per_s"]
+    assert list(rates) == [BASELINE, "hier_sync"]
+    for name, rec in rates.items():
+        assert rec["error"] is None, (name, rec["error"])
+        assert len(rec["runs"]) == 1 and _positive(rec["median"]) and _positive(rec["ratio_to_plain"]), name
+    assert rates[BASELINE]["ratio_to_plain"] == 1.0
+    assert rates["hier_sync"]["ratio_to_plain"] == pytest.approx(
+        rates["hier_sync"]["median"] / rates[BASELINE]["median"]
+    )
+    assert rates[BASELINE]["strategy_class"] == "SingleDeviceStrategy"  # plain Lightning at one device
+    assert rates["hier_sync"]["strategy_class"] == "HierSyncStrategy"
+
+    assert set(summary["targets"]) == {TARGET_INT8, TARGET_STRATEGIES}
+    assert all(isinstance(ok, bool) for ok in summary["targets"].values())
+    pytest_results = summary["pytest"]
+    assert pytest_results["exit_code"] == 1
+    junit_summary = pytest_results["junit"]
+    counts = {k: junit_summary[k] for k in ("tests", "passed", "failed", "error", "skipped")}
+    assert counts == {"tests": 3, "passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert junit_summary["cases"][1]["message"] == "assert 1 == 2"
+    assert "hier_sync" in table and "memory bandwidth" in table and "int8" in table
+
+
+def test_default_strategies_are_the_ones_that_run_at_one_rank():
+    names = default_strategies()
+    assert names and "hier_sync" in names
+    assert not any(n.endswith("_spawn") or "sharded" in n or n in EXCLUDED_AT_WORLD_SIZE_1 for n in names)
+    # An exclusion names a registered strategy: a renamed one must not slip into the default unnoticed.
+    assert set(EXCLUDED_AT_WORLD_SIZE_1) <= set(pack_strategy_names())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is valid here")
+def test_device_cuda_without_cuda_names_the_setting_and_the_fix(tmp_path):
+    with pytest.raises(CommandFailed) as err:
+        run_main(gpu_main, ["--device", "cuda", "--out", str(tmp_path / "x.json")])
+    assert err.value.code == 2
+    assert "--device" in str(err.value) and "HINT" in str(err.value) and "--device cpu" in str(err.value)
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategies", "hier_sync_spawn"], "--strategies 'hier_sync_spawn'"),
+        (["--strategies", "hier_synk"], "did you mean 'hier_sync'"),
+        (["--strategies", ","], "--strategies is empty"),
+        (["--methods", "int8,powersgd"], "--methods"),
+        (["--warmup-steps", "0"], "--warmup-steps must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, args, message):
+    with pytest.raises(CommandFailed) as err:
+        run_main(gpu_main, ["--device", "cpu", *args, "--out", str(tmp_path / "x.json")])
+    assert err.value.code == 2 and message in str(err.value) and "HINT" in str(err.value)
+    assert not (tmp_path / "x.json").exists()
