@@ -3,6 +3,8 @@ launcher of Lightning's): the device tests run these on the CPU, or sharing one 
 
     python tests/_rank_job.py --accelerator cuda --strategy hier_sync --options '{"compression": "int8"}' --out DIR
 
+On CUDA it also records the host syncs this package's code makes during the steady steps (``_HostSyncs``).
+
 Each rank trains the same small model with a BatchNorm (buffers to keep in sync) for ``--steps`` steps on ``--ranks``
 nodes of 1 rank (``num_nodes=2, devices=1``: every strategy's cross-node path runs; with ``--ranks 1`` the strategy
 keeps its default backend, NCCL on a GPU), then writes ``DIR/rank{R}.pt``: the final
@@ -88,6 +90,60 @@ class _Report(Callback):
         self.tensors = [(p, t.device.type, str(t.dtype), t.numel()) for p, t in sorted(owned_tensors(owners).items())]
 
 
+class _HostSyncs(Callback):
+    """CUDA only: every synchronising CUDA operation (``.item()``, a copy to the host, ...) that this package's code
+    makes on the training thread during the steady steps (from the third step to the one before the last), by the
+    package's innermost frame, with the steps it happened in: a host sync in every step stops the host from queueing
+    ahead of the GPU (``torch.cuda.set_sync_debug_mode``). Lightning's own and the communication threads' are not
+    counted."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.syncs: dict[str, list[int]] = {}
+        self.watched = list(range(2, steps - 1))  # the global steps watched
+        self._step = 0
+        self._saved: Any = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step = trainer.global_step
+        if trainer.global_step == 2:
+            self._watch(True)
+        elif trainer.global_step == self.steps - 1:
+            self._watch(False)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._watch(False)
+
+    def _watch(self, on: bool) -> None:
+        import threading
+        import traceback
+        import warnings
+
+        if on and self._saved is None:
+            self._saved = warnings.showwarning
+
+            def record(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+                if "synchronizing CUDA operation" not in str(message):
+                    return self._saved(message, category, *args, **kwargs)
+                if threading.current_thread() is not threading.main_thread():
+                    return None
+                ours = [f for f in traceback.extract_stack() if "lightning_syncasync" in f.filename]
+                if ours:
+                    where = f"{ours[-1].filename.rpartition('lightning_syncasync')[2]}:{ours[-1].lineno}"
+                    steps = self.syncs.setdefault(where, [])
+                    if self._step not in steps:
+                        steps.append(self._step)
+                return None
+
+            warnings.showwarning = record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        elif not on and self._saved is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._saved
+            self._saved = None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--accelerator", default="cpu")
@@ -112,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         options["process_group_backend"] = "gloo"  # two ranks on one GPU: NCCL cannot put both on one device
     strategy = entry["strategy"](**options)
     report = _Report()
+    syncs = _HostSyncs(args.steps)
+    callbacks: list[Callback] = [report] + ([syncs] if args.accelerator in ("gpu", "cuda") else [])
     model = DeviceModel()
     trainer = Trainer(
         accelerator=args.accelerator,
@@ -127,13 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[report],
+        callbacks=callbacks,
     )
     trainer.fit(model)
     rank = trainer.global_rank
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     torch.save(
-        {"rank": rank, "state": state, "losses": model.losses, "tensors": report.tensors},
+        {"rank": rank, "state": state, "losses": model.losses, "tensors": report.tensors, "syncs": syncs.syncs},
         Path(args.out) / f"rank{rank}.pt",
     )
     return 0

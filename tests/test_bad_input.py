@@ -467,6 +467,8 @@ CASES: list[Case] = [
          lambda: SyncMonitor(smoothing=1.0), ValueError, r"smoothing", r"0\.9 is a good default"),
     Case("monitor-warmup", "callback SyncMonitor", "SyncMonitor(warmup_steps=-1)",
          lambda: SyncMonitor(warmup_steps=-1), ValueError, r"warmup_steps", r"HINT: 0 aggregates every step"),
+    Case("monitor-cuda-sync", "callback SyncMonitor", "SyncMonitor(cuda_sync='yes')",
+         lambda: SyncMonitor(cuda_sync="yes"), ValueError, r"cuda_sync", r"HINT: true \(the default\)"),
     Case("adaptive-interval", "callback AdaptiveBatchSize", "AdaptiveBatchSize(interval=0)",
          lambda: AdaptiveBatchSize(interval=0), ValueError, r"interval", r"HINT: 10 decides every 10 batches"),
     Case("adaptive-min-max", "callback AdaptiveBatchSize", "AdaptiveBatchSize(min_batch=4, max_batch=2)",

@@ -183,7 +183,7 @@ class CompressedAllReduce:
         """Add one warm-up step's averaged gradient of parameter ``index`` to its sum of squares."""
         square = mean.double().square()
         if index in self._square_sums:
-            self._square_sums[index] += square
+            self._square_sums[index] = self._square_sums[index].to(square.device) + square  # maybe restored on the CPU
         else:
             self._square_sums[index] = square
         self._square_counts[index] = self._square_counts.get(index, 0) + 1

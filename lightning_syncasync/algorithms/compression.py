@@ -179,11 +179,13 @@ class Compressor:
                 "compression_options={'collective': 'allgather'} uses all-gather only"
             )
 
-    def time_codec(self, numel: int, reps: int = 3, device: torch.device | str = "cpu") -> tuple[float, float]:
-        """Median wall seconds of one encode (error feedback included) and one decode of a ``numel``-element
-        tensor with this method's codec, on this process and ``device``: what the cost model charges per byte
-        (``codec_s_per_byte``), measured where it runs, so a rank with a small CPU share shows its real cost.
-        No collective; the state of this compressor is left untouched."""
+    def time_codec(
+        self, numel: int, reps: int = 3, device: torch.device | str = "cpu", error_feedback: bool = True
+    ) -> tuple[float, float]:
+        """Median wall seconds of one encode (error feedback included, unless ``error_feedback=False``) and one
+        decode of a ``numel``-element tensor with this method's codec, on this process and ``device``: what the cost
+        model charges per byte (``codec_s_per_byte``), measured where it runs, so a rank with a small CPU share shows
+        its real cost. No collective; the state of this compressor is left untouched."""
         if self.method not in CHUNKED:
             raise ValueError(f"time_codec times the chunked codecs {CHUNKED}, not {self.method!r}")
         if numel < 1 or reps < 1:
@@ -200,8 +202,11 @@ class Compressor:
         for _ in range(reps + 1):  # the first is a warm-up (allocations)
             sync()
             t0 = time.perf_counter()
-            payload, own = self._encode(flat + residual)
-            residual = flat - own
+            if error_feedback:
+                payload, own = self._encode(flat + residual)
+                residual = flat - own
+            else:
+                payload, _ = self._encode(flat)
             sync()
             t1 = time.perf_counter()
             self._decode(payload, numel)

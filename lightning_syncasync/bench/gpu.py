@@ -9,7 +9,13 @@ Three measurements, all in this process, written to one JSON summary (``--out``)
    default), bytes read plus bytes written over the median time of several copies after a warm-up.
 2. Each compression method's encode + decode throughput on a ``--numel``-element fp32 tensor, in GB/s of fp32 input,
    and that as a fraction of the measured bandwidth (the codec should not be the bottleneck of a compressed
-   exchange: the target is ``int8`` at 30% of the bandwidth or more).
+   exchange: the target is ``int8`` at 30% of the bandwidth or more), with error feedback (as the strategies run
+   it) and without. The bound on this figure: it is ``4 / B`` of the bandwidth for a codec that moves ``B`` bytes
+   of memory per element. A fully fused ``int8`` codec with error feedback reads the input and the residual (8 B),
+   writes the codes and the new residual (1 + 4 B), and its decode reads the codes and writes fp32 (1 + 4 B): 18 B,
+   so at most 22% of the bandwidth; without error feedback 10 B, at most 40%. The eager PyTorch codec here
+   (``algorithms/compression.py``: abs, amax, divide, round, clamp, multiply, cast, concatenate, each a pass over
+   memory) moves about 88 B per element with error feedback: about 4.5% expected.
 3. Training steps per second of every strategy on the transformer demo at ``devices=1``, next to plain Lightning
    (``strategy="auto"``), interleaved over ``--rounds`` rounds, medians reported. At one rank there is nothing to
    synchronise, so any gap to plain Lightning is the strategy's own overhead (the target: within 3%).
@@ -284,24 +290,37 @@ def _time_cast(numel: int, dtype: torch.dtype, reps: int, device: torch.device) 
 def measure_codec(method: str, numel: int, device: torch.device, bandwidth_gbps: float) -> dict[str, Any]:
     from lightning_syncasync.algorithms.compression import Compressor
 
+    plain: tuple[float, float] | None = None
     try:
         if method in CAST_METHODS:
             encode_s, decode_s = _time_cast(numel, CAST_METHODS[method], CODEC_REPS, device)
         else:
-            encode_s, decode_s = Compressor(method).time_codec(numel, reps=CODEC_REPS, device=device)  # type: ignore[arg-type]
+            codec = Compressor(method)  # type: ignore[arg-type]
+            encode_s, decode_s = codec.time_codec(numel, reps=CODEC_REPS, device=device)
+            # Without error feedback too: the residual's read and write are a fixed share of the bytes a codec moves
+            # (the bound in the module docstring), so both figures are needed to see how far from fused the codec is.
+            plain = codec.time_codec(numel, reps=CODEC_REPS, device=device, error_feedback=False)
     except Exception as err:  # a codec that fails on this device is a result, not the end of the check
         log.warning("compression %s failed on %s", method, device, exc_info=True)
         return {"encode_s": None, "decode_s": None, "gbps": None, "fraction_of_bandwidth": None, "error": _text(err)}
     finally:
         _free(device)
     gbps = numel * 4 / (encode_s + decode_s) / 1e9
-    return {
+    out = {
         "encode_s": encode_s,
         "decode_s": decode_s,
         "gbps": gbps,
         "fraction_of_bandwidth": gbps / bandwidth_gbps,
         "error": None,
     }
+    if plain is not None:
+        plain_gbps = numel * 4 / sum(plain) / 1e9
+        out.update(
+            encode_s_without_error_feedback=plain[0],
+            gbps_without_error_feedback=plain_gbps,
+            fraction_without_error_feedback=plain_gbps / bandwidth_gbps,
+        )
+    return out
 
 
 def _text(err: BaseException) -> str:
@@ -529,7 +548,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{dev['hostname']}, {dev['date_utc']}",
         f"memory bandwidth (copy, read + write): {summary['bandwidth_gbps']:.1f} GB/s",
         "",
-        f"{'compression':<12} {'encode ms':>10} {'decode ms':>10} {'GB/s':>9} {'of bandwidth':>13}",
+        f"{'compression':<12} {'encode ms':>10} {'decode ms':>10} {'GB/s':>9} {'of bandwidth':>13} {'without EF':>11}",
     ]
     for method, rec in summary["compression"].items():
         if rec["error"] is not None:
@@ -537,7 +556,7 @@ def format_table(summary: dict[str, Any]) -> str:
             continue
         lines.append(
             f"{method:<12} {rec['encode_s'] * 1e3:>10.3f} {rec['decode_s'] * 1e3:>10.3f} {rec['gbps']:>9.4g} "
-            f"{rec['fraction_of_bandwidth']:>12.1%}"
+            f"{rec['fraction_of_bandwidth']:>12.1%} {_fmt(rec.get('fraction_without_error_feedback'), '.1%'):>11}"
         )
     lines += ["", f"{'strategy':<22} {'steps/s':>9} {'vs plain':>9}  runs"]
     for name, rec in summary["steps_per_s"].items():

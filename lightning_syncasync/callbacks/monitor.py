@@ -98,7 +98,10 @@ class SyncMonitor(Callback):
     ) -> None:
         super().__init__()
         if not isinstance(cuda_sync, bool):
-            raise ValueError(f"cuda_sync must be true or false, got {cuda_sync!r}")
+            raise ValueError(
+                f"cuda_sync must be true or false, got {cuda_sync!r}; HINT: true (the default) times the GPU's steps, "
+                "false only their launches"
+            )
         self.cuda_sync = cuda_sync
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}; 0.9 is a good default")

@@ -33,6 +33,11 @@ def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
     assert rank["losses"][-1] < rank["losses"][0], "it did not learn"
     backend = "gloo" if DRY_RUN else "nccl"
     assert not misplaced(rank["tensors"], backend), misplaced(rank["tensors"], backend)
+    # No host sync of ours in every steady step (at one rank there is nothing to wait for; the target of the steps/s
+    # benchmark, within 3% of plain Lightning, needs the host to stay ahead of the GPU). A policy that looks at the
+    # GPU once per window (SyncSwitcher's decisions) is allowed: it costs one sync per window, not per step.
+    every_step = {where: steps for where, steps in rank["syncs"].items() if len(steps) >= 7}  # steps 2..8 watched
+    assert not every_step, rank["syncs"]
 
 
 PRESETS = ["deepspeed_fp16", "deepspeed_zero2_bf16", "deepspeed_zero3_offload"]

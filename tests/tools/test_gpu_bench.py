@@ -64,6 +64,9 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
         assert _positive(rec["encode_s"]) and _positive(rec["decode_s"]) and _positive(rec["gbps"]), method
         assert rec["gbps"] == pytest.approx(100_000 * 4 / (rec["encode_s"] + rec["decode_s"]) / 1e9)
         assert rec["fraction_of_bandwidth"] == pytest.approx(rec["gbps"] / summary["bandwidth_gbps"])
+        if method in ("int8", "int4", "sign"):  # the chunked codecs, also timed without error feedback
+            assert _positive(rec["gbps_without_error_feedback"]), method
+            assert rec["encode_s_without_error_feedback"] > 0, method
 
     rates = summary["steps_per_s"]
     assert list(rates) == [BASELINE, "hier_sync"]
