@@ -101,6 +101,7 @@ def test_a_stream_wait_is_timed_by_events_not_by_the_host():
     torch.cuda.current_stream().wait_event(arrived)  # returns at once on the host
     recorder.record_stream_wait(before, timing_event(torch.device("cuda")))
     host = time.perf_counter() - host
+    torch.cuda.synchronize()  # as SyncMonitor does before it closes a step: the step lasts until the GPU is done
     stats = recorder.end_step(step=0, samples=1)
     assert host < 0.02
     assert 0.035 < stats.wait_s < 0.08, stats
@@ -156,10 +157,12 @@ def test_the_codecs_give_on_the_gpu_what_they_give_on_the_cpu(method):
     assert payload_dev.device.type == torch.device(DEVICE).type
     decoded = comp._decode(payload_dev, x.numel()).cpu()
     torch.testing.assert_close(decoded, own_dev.cpu())
-    # Rounding can differ where a value sits on a rounding boundary to the last bit: a handful of elements at most.
-    differ = (own_dev.cpu() - own_cpu).abs() > 1e-6 * x.abs().max()
+    # The same codes and (up to the last bits of a reduction's sum: sign's scale is a mean) the same values; a code
+    # can differ only where a value sits on a rounding boundary to the last bit: a handful of elements at most.
+    differ = (decoded - own_cpu).abs() > 1e-5 * x.abs().max()
     assert int(differ.sum()) <= 10
-    assert int((payload_dev.cpu() != payload_cpu).sum()) <= 10
+    codes = {"int8": x.numel(), "int4": x.numel() // 2, "sign": x.numel() // 8}[method]
+    assert int((payload_dev.cpu()[:codes] != payload_cpu[:codes]).sum()) <= 10
 
 
 @pytest.mark.timeout(60)
