@@ -304,7 +304,7 @@ class CompressedAllReduce:
         if state._thread is None:
             state._thread = CommThread("syncasync-ddp-compression", buffer.device)
         # A CUDA-aware future (as the futures of torch's own hooks), so DDP orders its use of the result after it.
-        devices = [buffer.device] if buffer.is_cuda else []
+        devices: list[int | str | torch.device] = [buffer.device] if buffer.is_cuda else []
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
 
         def exchange() -> torch.Tensor:
