@@ -469,7 +469,7 @@ class RoundExchange:
                 # Everything compression held back (own and server residuals) joins the exact round.
                 residual = self.compressor.pop_residual("round", total.numel(), self.group)
                 if residual is not None:
-                    total += residual
+                    total += residual.to(total.device)  # restored from a checkpoint: maybe on the CPU
             all_reduce_(total, self.group)
             nbytes += total.numel() * total.element_size()
             return total / self.world, meta, nbytes
