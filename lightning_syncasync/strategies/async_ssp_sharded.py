@@ -150,8 +150,10 @@ class ShardedAsyncSSPStrategy(
     @override
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
         super()._make_groups(topo, timeout)
-        # The node's ranks, for the round-end agreement only (FSDP's own collectives run on the mesh's groups).
-        self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
+        # The node's ranks, for the round-end agreement only (FSDP's own collectives run on the mesh's groups). On
+        # gloo whatever the default backend: the agreement is one host flag per step, and over NCCL it would put a
+        # kernel on the GPU and a host sync (reading the flag back) into every step.
+        self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout, backend="gloo")
 
     # -- training ----------------------------------------------------------------------------------------------
 
