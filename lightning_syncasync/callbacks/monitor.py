@@ -78,8 +78,9 @@ class SyncMonitor(Callback):
         cuda_sync: on a GPU, synchronise the device when a step ends (and when validation ends) before reading the
             clock, as Lightning's ``ThroughputMonitor`` does: CUDA kernels run after the host has moved on, so host
             clocks alone time the launches, not the step. It costs the host's lead of up to one step over the GPU
-            (``scripts/gpu_check.sh`` measures it). Waits on CUDA streams are timed by events either way
-            (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch times.
+            (``scripts/gpu_check.sh`` measures it: its ``auto+sync_monitor`` row). Waits on CUDA streams are timed by
+            events either way (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch
+            times.
 
     Example::
 

@@ -19,6 +19,7 @@ from lightning_syncasync.bench.gpu import (
     BASELINE,
     DEFAULT_METHODS,
     EXCLUDED_AT_WORLD_SIZE_1,
+    MONITORED,
     TARGET_INT8,
     TARGET_STRATEGIES,
     default_strategies,
@@ -69,7 +70,7 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
             assert rec["encode_s_without_error_feedback"] > 0, method
 
     rates = summary["steps_per_s"]
-    assert list(rates) == [BASELINE, "hier_sync"]
+    assert list(rates) == [BASELINE, MONITORED, "hier_sync"]
     for name, rec in rates.items():
         assert rec["error"] is None, (name, rec["error"])
         assert len(rec["runs"]) == 1 and _positive(rec["median"]) and _positive(rec["ratio_to_plain"]), name
