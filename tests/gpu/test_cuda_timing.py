@@ -66,6 +66,10 @@ def test_the_side_stream_runs_beside_the_loop_and_without_it_after(enabled):
     cycles = _cycles_for(0.1)
     torch.cuda.synchronize()
     start = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    single = time.perf_counter() - start  # one sleep, as this GPU's clock runs it now
+    start = time.perf_counter()
     handoff = side.handoff()
     torch.cuda._sleep(cycles)  # the loop's compute, enqueued after the handoff
 
@@ -80,9 +84,9 @@ def test_the_side_stream_runs_beside_the_loop_and_without_it_after(enabled):
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     if enabled:
-        assert elapsed < 0.17, f"0.1 s beside 0.1 s took {elapsed:.3f}s: no overlap"
+        assert elapsed < 1.6 * single, f"two sleeps of {single:.3f}s side by side took {elapsed:.3f}s: no overlap"
     else:
-        assert elapsed > 0.19, f"the default stream serialises them, yet both took {elapsed:.3f}s"
+        assert elapsed > 1.8 * single, f"the default stream serialises two sleeps of {single:.3f}s, yet: {elapsed:.3f}s"
 
 
 @needs_cuda
@@ -144,7 +148,8 @@ def test_sync_monitor_times_the_gpus_step_not_its_launch():
     trainer.fit(SleepyModel(_cycles_for(0.03)))
     ranks = monitor.summary["ranks"]
     per_step = 1.0 / ranks[0]["samples_per_s"] * 8  # seconds per step of 8 samples
-    assert per_step > 0.027, f"{per_step:.4f}s per step: the monitor read the clock before the GPU was done"
+    # At least most of the 30 ms the GPU spends (the cycle count is calibrated, within a few percent).
+    assert per_step > 0.024, f"{per_step:.4f}s per step: the monitor read the clock before the GPU was done"
 
 
 @pytest.mark.timeout(60)
