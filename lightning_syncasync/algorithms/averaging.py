@@ -206,7 +206,7 @@ class DelayedAverager:
         self.drain()
         if self.num_nodes > 1:
             self._launch(exact=True)
-            self._apply(self.pending.popleft())
+            self._apply(self.pending.popleft(), replace=True)
 
     def swap_in_mean(self, cross_group: dist.ProcessGroup | None) -> None:
         """Lend the tensors the exact mean of the node replicas, for evaluation; :meth:`swap_back` restores the
@@ -350,7 +350,10 @@ class DelayedAverager:
                 f"timeout_s={self.timeout_s:g}; check that rank's log, then resume from the last checkpoint"
             ) from err
 
-    def _apply(self, rnd: _Round) -> None:
+    def _apply(self, rnd: _Round, replace: bool = False) -> None:
+        """Apply a delivered round. ``replace``: nothing was learned since its launch (a cut), so the tensors become
+        the new global model itself, bitwise the same on every node (adding ``new_global - snapshot`` to each node's
+        own snapshot rounds differently on each)."""
         start = time.perf_counter()
         average = self._wait(rnd)
         if self.recorder is not None:
@@ -360,9 +363,12 @@ class DelayedAverager:
         else:
             new_global = self.anchor - self.outer_opt.step(self.anchor - average)  # the same on every node
         self.anchor = new_global
-        # Move from the snapshot to the new global model, keeping what was learned locally since the launch.
-        delta = new_global - rnd.snapshot
-        add_flat_(self.tensors, self._gather(delta)[: self.numel])
+        if replace:
+            copy_flat_(self.tensors, self._gather(new_global)[: self.numel])
+        else:
+            # Move from the snapshot to the new global model, keeping what was learned locally since the launch.
+            delta = new_global - rnd.snapshot
+            add_flat_(self.tensors, self._gather(delta)[: self.numel])
         self.rounds_applied += 1
 
     def _gather(self, delta: torch.Tensor, record: bool = True) -> torch.Tensor:
