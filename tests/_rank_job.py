@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--ranks", type=int, default=2, choices=(1, 2))
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--adaptive-batch", action="store_true", help="with AdaptiveBatchSize (per-rank batch weights)")
     args = p.parse_args(argv)
 
     from lightning.pytorch.strategies import StrategyRegistry
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     report = _Report()
     syncs = _HostSyncs(args.steps)
     callbacks: list[Callback] = [report] + ([syncs] if args.accelerator in ("gpu", "cuda") else [])
+    if args.adaptive_batch:
+        from lightning_syncasync.callbacks import AdaptiveBatchSize
+
+        callbacks.append(AdaptiveBatchSize(interval=4))
     model = DeviceModel()
     trainer = Trainer(
         accelerator=args.accelerator,

@@ -39,6 +39,7 @@ class RankJob:
         env: dict[str, str] | None = None,
         deterministic: bool = False,
         timeout_s: float = 120.0,
+        adaptive_batch: bool = False,
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.strategy, self.accelerator, self.ranks = out, strategy, accelerator, ranks
@@ -64,6 +65,7 @@ class RankJob:
             cmd = [sys.executable, str(JOB), "--accelerator", accelerator, "--strategy", strategy]
             cmd += ["--options", json.dumps(options or {}), "--steps", str(steps), "--out", str(out)]
             cmd += ["--ranks", str(ranks)] + (["--deterministic"] if deterministic else [])
+            cmd += ["--adaptive-batch"] if adaptive_batch else []
             self.procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
 
     def wait(self) -> list[dict[str, Any]]:

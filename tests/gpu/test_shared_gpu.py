@@ -76,3 +76,29 @@ def test_the_side_stream_changes_no_bit(tmp_path, case):
         assert a["losses"] == b["losses"]
         for key, value in a["state"].items():
             assert torch.equal(value, b["state"][key]), (case, key)
+
+
+# State the compression cases above do not create: the outer momentum (hier_sync's Nesterov), the per-step SSP
+# exchange's buffers and its staleness compensation, and AdaptiveBatchSize's per-rank batch weights and noise probe.
+STATE_CASES = {
+    "hier_sync_nesterov": ("hier_sync", {"outer": "nesterov", "inter_period": 2}, False, ["outer_opt.buffer"]),
+    "async_ssp_per_step": (
+        "async_ssp",
+        {"local_steps": 1, "claim_batches": False},
+        False,
+        ["exchange._outbox", "exchange._acc", "_compensator.mean_square"],
+    ),
+    "ddp_measured_adaptive_batch": ("ddp_measured", {}, True, []),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(STATE_CASES))
+def test_every_kind_of_state_lives_on_the_gpu(tmp_path, case):
+    name, options, adaptive, expected = STATE_CASES[case]
+    ranks = RankJob(tmp_path, name, ACCELERATOR, options, steps=STEPS, adaptive_batch=adaptive).wait()
+    for rank in ranks:
+        paths = " ".join(t[0] for t in rank["tensors"])
+        assert all(e in paths for e in expected), (expected, paths)
+        assert not misplaced(rank["tensors"], "gloo"), misplaced(rank["tensors"], "gloo")
+        assert all(torch.isfinite(torch.tensor(rank["losses"])))
