@@ -220,6 +220,7 @@ class RoundExchange:
         self._deadline: float | None = None  # the current round's end (wall clock), None: a fixed-step round
         self._thread: CommThread | None = None
         self._clean = True  # nothing changed on this rank since the last cut (the replicas start equal)
+        self._finite: torch.Tensor | None = None  # note_finite's flags of the current round, folded on the device
         self.peers = [r for r in self.global_ranks if r != dist.get_rank()]
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -263,6 +264,12 @@ class RoundExchange:
             while self._agree(self._deadline is not None and time.time() >= self._deadline):
                 self._end_round(cut=False)
         self._last_step_at = time.perf_counter()  # the time blocked above is not step time
+
+    def note_finite(self, finite: torch.Tensor) -> None:
+        """Fold a device flag (``torch.isfinite(loss).all()`` of a local step) into the current round's, checked when
+        the round ends, before its pseudo-gradient leaves the rank (:class:`NonFiniteRoundError`): one host sync per
+        round instead of one per step, which on a GPU would stop the host from queueing ahead."""
+        self._finite = finite if self._finite is None else self._finite & finite
 
     def cut(self, stop: bool = False) -> bool:
         """A consistent cut (every rank at the same point of its loop): every round delivered and applied, the last
@@ -360,6 +367,10 @@ class RoundExchange:
 
     def _end_round(self, cut: bool, gate: bool = True) -> None:
         """End this rank's current round: its pseudo-gradient into a background exchange; then the bound."""
+        if self._finite is not None:
+            finite, self._finite = bool(self._finite), None
+            if not finite:
+                raise NonFiniteRoundError(self.launched)
         theta = self.flat()
         delta = self._base - theta
         self._base = theta
@@ -475,6 +486,15 @@ class RoundExchange:
             return total / self.world, meta, nbytes
         mean, sent = self.compressor.allreduce(delta, self.group, key="round")
         return mean, meta, nbytes + sent
+
+
+class NonFiniteRoundError(FloatingPointError):
+    """A local step of round ``index`` had a non-finite loss (:meth:`RoundExchange.note_finite`); the round was not
+    launched, so its pseudo-gradient never reached another rank."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"a loss of round {index} was not finite")
+        self.index = index
 
 
 def _count(meta: torch.Tensor, world: int, which: int) -> int:

@@ -55,7 +55,7 @@ from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
-from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
+from lightning_syncasync.algorithms.rounds import NonFiniteRoundError, RoundExchange, check_rounds
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
@@ -131,7 +131,11 @@ class LocalReduceWhileAsync:
     def _cut_rounds(self, stop: bool = False) -> None:
         """A consistent cut of the rounds (if they run), then the optimizer states made one (when anything changed)."""
         rounds = self.rounds
-        if rounds is not None and rounds._thread is not None and rounds.cut(stop=stop):
+        if rounds is None or rounds._thread is None:
+            return
+        with as_divergence(self.global_rank):  # type: ignore[attr-defined]
+            changed = rounds.cut(stop=stop)
+        if changed:
             self._equal_optimizer_states()
 
     def _equal_optimizer_states(self) -> None:
@@ -455,7 +459,8 @@ class AsyncSSPStrategy(
             # A local step on fresh gradients of this replica, with its own optimizer; then the round's bookkeeping.
             out = super().optimizer_step(optimizer, finite_closure(closure, self.global_rank, self.rounds), model,
                                          **kwargs)  # fmt: skip
-            self.rounds.after_step()
+            with as_divergence(self.global_rank):
+                self.rounds.after_step()
             return out
         ex = self.exchange
         if ex is None:
@@ -587,11 +592,18 @@ def local_sigterm_check(trainer: pl.Trainer) -> Callable[[], None]:
 
 def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange | None) -> Callable[[], Any]:
     """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
-    replica's next round would carry the NaN into every other replica."""
+    replica's next round would carry the NaN into every other replica.
+
+    On a GPU, reading the check back every step would be a host sync per step; there the flag stays on the device,
+    folded into the round's (``RoundExchange.note_finite``), and the round's end reads it once (raised through
+    :func:`as_divergence`), still before its pseudo-gradient leaves the rank."""
 
     def wrapped() -> Any:
         loss = closure()
         value = loss.detach() if isinstance(loss, torch.Tensor) else None
+        if value is not None and value.is_cuda and rounds is not None:
+            rounds.note_finite(torch.isfinite(value).all())
+            return loss
         if value is not None and not bool(torch.isfinite(value).all()):
             where = f"round {rounds.launched}" if rounds is not None else "a step"
             raise DivergenceError(
@@ -602,6 +614,20 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
         return loss
 
     return wrapped
+
+
+@contextmanager
+def as_divergence(rank: int) -> Iterator[None]:
+    """A round refused for a non-finite loss (on a GPU, at the round's end: ``finite_closure``) raised as
+    :class:`DivergenceError`, around ``rounds.after_step()`` and ``rounds.cut()``."""
+    try:
+        yield
+    except NonFiniteRoundError as err:
+        raise DivergenceError(
+            f"rank {rank}: a loss was not finite (nan or inf) in round {err.index} under async training; stopped "
+            "before this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher "
+            "to fall back to synchronous training"
+        ) from err
 
 
 def check_async_fit(optimizers: list[Optimizer], precision: Any, name: str) -> Optimizer:

@@ -55,6 +55,7 @@ from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
     CutsAtLightningHooks,
     LocalReduceWhileAsync,
+    as_divergence,
     check_async_fit,
     finite_closure,
     local_sigterm_check,
@@ -192,7 +193,8 @@ class ShardedAsyncSSPStrategy(
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # A local step of the node (FSDP inside it) on fresh gradients; then the round's bookkeeping.
         out = super().optimizer_step(optimizer, finite_closure(closure, self.global_rank, self.rounds), model, **kwargs)
-        self.rounds.after_step()
+        with as_divergence(self.global_rank):
+            self.rounds.after_step()
         return out
 
     # -- consistent cuts (CutsAtLightningHooks) ---------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_syncasync.algorithms.averaging import PeerLostError
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.outer import OuterOptimizer
-from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
+from lightning_syncasync.algorithms.rounds import NonFiniteRoundError, RoundExchange, check_rounds
 from lightning_syncasync.testing import run_distributed
 
 
@@ -192,3 +192,31 @@ def test_bad_settings_are_refused_with_a_hint(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
         check_rounds(**kwargs)
     assert "HINT" in str(err.value)
+
+
+def _nonfinite(rank: int, world: int) -> dict:
+    w = [torch.zeros(4)]
+    ex = RoundExchange(w, dist.new_group(), local_steps=4, staleness=1, dynamic=False)
+    ex.start()
+    raised = []
+    for step in range(12):
+        with torch.no_grad():
+            w[0].sub_(1.0)
+        # A device flag per step, as finite_closure keeps it on a GPU: step 6 (round 1) had a NaN loss.
+        ex.note_finite(torch.tensor(step != 6))
+        try:
+            ex.after_step()
+        except NonFiniteRoundError as err:
+            raised.append((step, err.index, ex.launched))
+            ex._steps = 0  # the strategy stops the fit here; this test goes on to see the flag start clean
+    ex.cut(stop=True)
+    return {"raised": raised, "launched": ex.launched}
+
+
+@pytest.mark.timeout(60)
+def test_a_round_with_a_non_finite_loss_is_refused_at_its_end_and_never_launched():
+    (res,) = run_distributed(_nonfinite, 1)
+    # Checked once, at the end of round 1 (step 7), before its launch: round 1 never left the rank.
+    assert res["raised"] == [(7, 1, 1)]
+    # The flag started clean after it: the next 4 steps ended round 1 normally, then the cut's round.
+    assert res["launched"] == 3

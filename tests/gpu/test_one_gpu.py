@@ -71,3 +71,27 @@ def test_deepspeed_presets_train_the_transformer_demo_on_one_gpu(tmp_path, prese
     assert summary["ranks"][0]["steps"] >= 20, summary
     # SyncMonitor's peak CUDA allocation: the model, its ZeRO states and activations (a few MB at least).
     assert summary["cuda_peak_mb"] > 1.0, summary
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_loss_on_the_gpu_stops_async_rounds_before_the_round_leaves_the_rank(tmp_path):
+    from _models import NaNAfterModel  # its loss turns NaN at its third step
+    from lightning.pytorch import Trainer
+
+    from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy, DivergenceError
+
+    trainer = Trainer(
+        accelerator=ACCELERATOR,
+        devices=1,
+        strategy=AsyncSSPStrategy(local_steps=4),
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    # On a GPU the check is read once per round (no host sync per step): at the end of round 0, steps 0-3.
+    match = "loss is nan in round" if DRY_RUN else r"not finite \(nan or inf\) in round 0"
+    with pytest.raises(DivergenceError, match=match):
+        trainer.fit(NaNAfterModel())
