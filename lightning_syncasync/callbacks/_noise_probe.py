@@ -6,6 +6,9 @@ bucket back at the end of backward (with the default ``gradient_as_bucket_view=F
 is read in ``on_before_optimizer_step``. The gain multiplies every parameter group's learning rate for the duration
 of ``optimizer.step`` only (torch optimizer step pre/post hooks), so LR schedulers and checkpoints keep the base
 rates.
+
+The norms stay on the device until the window is read (``grad_sq_sum``, ``trace_sum``, ``count``): reading them
+every step would be a host sync per step on a GPU; the window reads them all at once.
 """
 
 from __future__ import annotations
@@ -33,9 +36,44 @@ class NoiseScaleProbe:
         self.reset_window()
 
     def reset_window(self) -> None:
-        self.grad_sq_sum = 0.0
-        self.trace_sum = 0.0
-        self.count = 0
+        self._grad_sq_sum = 0.0
+        self._trace_sum = 0.0
+        self._count = 0
+        # Per step of the window not read yet: (local squared norm, averaged squared norm) on the device, and the
+        # step's weight, batch and global batch.
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, float, int, int]] = []
+
+    @property
+    def grad_sq_sum(self) -> float:
+        """The window's sum of the squared-gradient-norm estimates."""
+        self._read()
+        return self._grad_sq_sum
+
+    @property
+    def trace_sum(self) -> float:
+        """The window's sum of the gradient-noise-trace estimates."""
+        self._read()
+        return self._trace_sum
+
+    @property
+    def count(self) -> int:
+        """The window's steps with an estimate."""
+        self._read()
+        return self._count
+
+    def _read(self) -> None:
+        """Bring the window's pending norms to the host, all at once, and add their estimates."""
+        if not self._pending:
+            return
+        pairs = torch.stack([torch.stack([local, avg]) for local, avg, *_ in self._pending]).tolist()
+        for (local_sq, global_sq), (_, _, weight, batch, global_batch) in zip(pairs, self._pending, strict=True):
+            # The loss hook scaled this rank's gradient by `weight`; the estimator wants the plain mean over its batch.
+            est = GradientNoiseScale.pair_estimate(local_sq / (weight * weight), batch, global_sq, global_batch)
+            if est is not None:
+                self._grad_sq_sum += est[0]
+                self._trace_sum += est[1]
+                self._count += 1
+        self._pending = []
 
     def start_batch(self) -> None:
         self._local = None
@@ -53,15 +91,9 @@ class NoiseScaleProbe:
         grads = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
         if not grads:
             return
-        global_sq = float(torch.stack(grads).sum())
-        # The loss hook scaled this rank's gradient by `weight`; the estimator wants the plain mean over its batch.
-        local_sq = float(self._local) / (weight * weight)
+        global_sq = torch.stack(grads).sum()
+        self._pending.append((self._local.to(global_sq.device), global_sq, weight, batch, global_batch))
         self._local = None
-        est = GradientNoiseScale.pair_estimate(local_sq, batch, global_sq, global_batch)
-        if est is not None:
-            self.grad_sq_sum += est[0]
-            self.trace_sum += est[1]
-            self.count += 1
 
     def _scale_lr(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self.gain == 1.0:
