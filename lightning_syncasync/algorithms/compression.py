@@ -185,15 +185,29 @@ class Compressor:
         """Median wall seconds of one encode (error feedback included, unless ``error_feedback=False``) and one
         decode of a ``numel``-element tensor with this method's codec, on this process and ``device``: what the cost
         model charges per byte (``codec_s_per_byte``), measured where it runs, so a rank with a small CPU share shows
-        its real cost. No collective; the state of this compressor is left untouched."""
-        if self.method not in CHUNKED:
-            raise ValueError(f"time_codec times the chunked codecs {CHUNKED}, not {self.method!r}")
+        its real cost. No collective; the state of this compressor is left untouched. ``fp16``/``bf16`` time their
+        cast down and back up the same way."""
+        casts = {"fp16": torch.float16, "bf16": torch.bfloat16}
+        if self.method not in CHUNKED and self.method not in casts:
+            raise ValueError(
+                f"time_codec times the chunked codecs {CHUNKED} and the casts ('fp16', 'bf16'), not {self.method!r}"
+            )
         if numel < 1 or reps < 1:
             raise ValueError(f"numel and reps must be >= 1, got {numel} and {reps}")
         device = torch.device(device)
         flat = torch.randn(numel, device=device)
         residual = torch.zeros_like(flat)
         enc, dec = [], []
+        cast = casts.get(self.method)
+
+        def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if cast is None:
+                return self._encode(x)
+            half = x.to(cast)
+            return half, half.float()
+
+        def decode(payload: torch.Tensor) -> torch.Tensor:
+            return self._decode(payload, numel) if cast is None else payload.float()
 
         def sync() -> None:
             if device.type == "cuda":
@@ -203,13 +217,13 @@ class Compressor:
             sync()
             t0 = time.perf_counter()
             if error_feedback:
-                payload, own = self._encode(flat + residual)
+                payload, own = encode(flat + residual)
                 residual = flat - own
             else:
-                payload, _ = self._encode(flat)
+                payload, _ = encode(flat)
             sync()
             t1 = time.perf_counter()
-            self._decode(payload, numel)
+            decode(payload)
             sync()
             enc.append(t1 - t0)
             dec.append(time.perf_counter() - t1)
