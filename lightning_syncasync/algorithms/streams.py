@@ -63,7 +63,7 @@ class SideStream:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.enabled = enabled and os.environ.get(SIDE_STREAM_ENV, "1") != "0"
-        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda and enabled else None
+        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda and self.enabled else None
 
     @property
     def cuda(self) -> bool:
@@ -74,7 +74,7 @@ class SideStream:
         stream itself, which will read the results). ``None`` on CPU."""
         if not self.cuda:
             return None
-        consumer = torch.cuda.current_stream(self.device)
+        consumer = self.consumer()
         ready = torch.cuda.Event()
         ready.record(consumer)
         return ready, consumer
