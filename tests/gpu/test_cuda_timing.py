@@ -178,3 +178,11 @@ def test_stochastic_rounding_draws_on_the_device_and_is_unbiased():
     assert own.device == x.device
     scale = x.abs().max() / 127
     assert float((own - x).mean().abs()) < 0.01 * float(scale)
+
+
+@needs_cuda
+def test_the_environment_switch_leaves_no_side_stream(monkeypatch):
+    assert SideStream("cuda").stream is not None
+    monkeypatch.setenv("SYNCASYNC_SIDE_STREAM", "0")
+    side = SideStream("cuda")
+    assert not side.enabled and side.stream is None  # the jobs then run on the default stream
