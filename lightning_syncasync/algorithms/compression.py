@@ -58,6 +58,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.algorithms._codec import CHECKED_CALLS, CODECS, Codec, Kernels
 from lightning_syncasync.algorithms._comm import all_gather_flat, all_reduce_, all_to_all_flat
 
 Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]
@@ -69,9 +70,6 @@ Collective = Literal["auto", "two_phase", "allgather"]
 COLLECTIVES: tuple[str, ...] = ("auto", "two_phase", "allgather")
 # Backends known to implement all_to_all_single (the two-phase layout's first phase).
 ALL_TO_ALL_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi")
-
-# The bit weights of one packed byte, most significant first (moved to each payload's device where it is used).
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device="cpu")
 
 
 def check_method(method: str, setting: str = "compression") -> None:
@@ -98,6 +96,10 @@ class Compressor:
         matrix_cols: ``powersgd`` only: columns of the matrix a tensor without shapes is viewed as.
         seed: seeds stochastic rounding (give each rank its own) and, with ``factor_seed``, nothing else.
         factor_seed: seeds the initial ``powersgd`` factors, which must be identical on every rank of the group.
+        codec: how ``int8``, ``int4`` and ``sign`` encode and decode: ``"eager"`` (one torch operation at a time),
+            ``"compiled"`` (fused by ``torch.compile``: Triton on CUDA, C++ on the CPU; the same codes, a few seconds
+            of compiling per process), or ``"auto"`` (the default: compiled on CUDA, eager elsewhere). The
+            environment variable ``SYNCASYNC_CODEC`` overrides it for a whole job.
 
     Example::
 
@@ -116,8 +118,14 @@ class Compressor:
         seed: int = 0,
         factor_seed: int = 0,
         collective: Collective = "auto",
+        codec: Codec = "auto",
     ) -> None:
         check_method(method)
+        if codec not in CODECS:
+            raise ValueError(
+                f"codec must be one of {CODECS}, got {codec!r}; HINT: 'auto' (the default) fuses the codec on GPUs "
+                "and runs it eagerly elsewhere"
+            )
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 8 or chunk_size % 8:
             raise ValueError(
                 f"chunk_size must be a positive multiple of 8 (sign packs 8 elements to a byte, int4 2), got "
@@ -146,6 +154,8 @@ class Compressor:
         self.seed = seed
         self.factor_seed = factor_seed
         self.collective = collective
+        self.codec = codec
+        self.kernels = Kernels(codec)
         self.residuals: dict[str, torch.Tensor] = {}
         # Two-phase layout: per key, what re-encoding this rank's averaged shard dropped (in units of the mean).
         self.server_residuals: dict[str, torch.Tensor] = {}
@@ -186,7 +196,7 @@ class Compressor:
         decode of a ``numel``-element tensor with this method's codec, on this process and ``device``: what the cost
         model charges per byte (``codec_s_per_byte``), measured where it runs, so a rank with a small CPU share shows
         its real cost. No collective; the state of this compressor is left untouched. ``fp16``/``bf16`` time their
-        cast down and back up the same way."""
+        cast down and back up the same way. The codec is this compressor's (``codec``: eager or fused)."""
         casts = {"fp16": torch.float16, "bf16": torch.bfloat16}
         if self.method not in CHUNKED and self.method not in casts:
             raise ValueError(
@@ -199,35 +209,39 @@ class Compressor:
         residual = torch.zeros_like(flat)
         enc, dec = [], []
         cast = casts.get(self.method)
+        row_len = -(-numel // self.chunk_size) * self.chunk_size
 
-        def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def encode(x: torch.Tensor, held: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            # Error feedback as the exchanges run it: add what was held, keep what this encode drops.
             if cast is None:
-                return self._encode(x)
-            half = x.to(cast)
-            return half, half.float()
+                return self._encode_rows(x, held, held is not None, 1, row_len)
+            y = x if held is None else x + held
+            half = y.to(cast)
+            return half, y - half.float()
 
         def decode(payload: torch.Tensor) -> torch.Tensor:
-            return self._decode(payload, numel) if cast is None else payload.float()
+            return self._decode_rows(payload, row_len) if cast is None else payload.float()
 
         def sync() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        for _ in range(reps + 1):  # the first is a warm-up (allocations)
+        # Untimed first calls: allocations, and for a fused codec its compiling and the calls it checks against the
+        # eager codec (``_codec.CHECKED_CALLS``).
+        warmup = 1 if cast is not None or self.kernels.mode(device) == "eager" else 1 + CHECKED_CALLS
+        for _ in range(reps + warmup):
             sync()
             t0 = time.perf_counter()
+            payload, kept = encode(flat, residual if error_feedback else None)
             if error_feedback:
-                payload, own = encode(flat + residual)
-                residual = flat - own
-            else:
-                payload, _ = encode(flat)
+                residual = kept
             sync()
             t1 = time.perf_counter()
             decode(payload)
             sync()
             enc.append(t1 - t0)
             dec.append(time.perf_counter() - t1)
-        return statistics.median(enc[1:]), statistics.median(dec[1:])
+        return statistics.median(enc[warmup:]), statistics.median(dec[warmup:])
 
     def layout(self, world: int) -> str | None:
         """The layout an exchange over ``world`` ranks uses: ``"two_phase"`` or ``"allgather"`` for the chunked
@@ -255,6 +269,7 @@ class Compressor:
         key = str(key)
         _check_tensor(tensor)
         flat = tensor.detach().reshape(-1).float()
+        residual = None
         if self.error_feedback and key in self.residuals:
             residual = self.residuals[key].to(flat.device)  # loaded from a checkpoint: maybe on the CPU
             if residual.numel() != flat.numel():
@@ -262,10 +277,9 @@ class Compressor:
                     f"key {key!r} was used for {residual.numel()} elements and now for {flat.numel()}: "
                     "error feedback needs one key per tensor"
                 )
-            flat = flat + residual
-        mean, own, nbytes = self.exchange(flat, group, key, shapes)
+        mean, kept, nbytes = self._exchange(flat, residual, self.error_feedback, group, key, shapes)
         if self.error_feedback:
-            self.residuals[key] = flat - own
+            self.residuals[key] = kept
         return mean.view_as(tensor).to(tensor.dtype), nbytes
 
     def exchange(
@@ -280,8 +294,42 @@ class Compressor:
         ``powersgd``, the averaged approximation, as in torch's hook). For callers that keep residuals their own
         way (the DDP hook keeps them per parameter, since DDP may rebuild its buckets). ``key`` names the
         ``powersgd`` factors."""
+        return self._exchange(flat, None, False, group, key, shapes)
+
+    def _exchange(
+        self,
+        flat: torch.Tensor,
+        residual: torch.Tensor | None,
+        feedback: bool,
+        group: dist.ProcessGroup | None,
+        key: str,
+        shapes: list[torch.Size] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The mean of ``flat + residual`` (``residual`` may be ``None``): ``(mean, kept, bytes sent)``, where
+        ``kept`` is the new residual ``flat + residual - own`` with ``feedback``, else ``own``. The chunked codecs
+        fuse the residual into their encode; the others add and subtract it here."""
         self.calls += 1
         world = dist.get_world_size(group)
+        if self.method in CHUNKED:
+            if self.layout(world) == "two_phase":
+                return self._two_phase(flat, residual, feedback, group, str(key), world)
+            numel = flat.numel()
+            row_len = -(-numel // self.chunk_size) * self.chunk_size
+            payload, kept = self._encode_rows(flat, residual, feedback, 1, row_len)
+            gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
+            all_gather_flat(gathered, payload.view(-1), group)
+            mean = self._decode_rows(gathered.view(world, -1), row_len, mean=True)[:numel]
+            self.last_wire = _wire("all_gather", payload.numel(), world)
+            return mean, kept, payload.numel() * payload.element_size()
+        if residual is not None:
+            flat = flat + residual
+        mean, own, nbytes = self._exchange_summable(flat, group, key, shapes, world)
+        return mean, (flat - own if feedback else own), nbytes
+
+    def _exchange_summable(
+        self, flat: torch.Tensor, group: dist.ProcessGroup | None, key: str, shapes: list[torch.Size] | None, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``none``, ``fp16``, ``bf16`` and ``powersgd``: payloads an all-reduce can sum."""
         if self.method == "none":
             out = flat.clone()
             all_reduce_(out, group)
@@ -293,15 +341,6 @@ class Compressor:
             all_reduce_(half, group)
             self.last_wire = _wire("all_reduce", half.numel() * half.element_size(), world)
             return half.float(), own, half.numel() * half.element_size()
-        if self.method in CHUNKED:
-            if self.layout(world) == "two_phase":
-                return self._two_phase(flat, group, str(key), world)
-            payload, own = self._encode(flat)
-            gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
-            all_gather_flat(gathered, payload, group)
-            mean = sum(self._decode(p, flat.numel()) for p in gathered.chunk(world)) / world
-            self.last_wire = _wire("all_gather", payload.numel(), world)
-            return mean, own, payload.numel() * payload.element_size()  # type: ignore[return-value]
         mean, nbytes = self._powersgd(flat, group, str(key), world, shapes)
         self.last_wire = _wire("all_reduce", nbytes, world)  # its all-reduces, summed
         return mean, mean, nbytes
@@ -351,19 +390,42 @@ class Compressor:
 
     # -- int8, int4 and sign: packed byte blocks -----------------------------------------------------------------
 
-    def _chunks(self, flat: torch.Tensor) -> torch.Tensor:
-        pad = -flat.numel() % self.chunk_size
-        return torch.nn.functional.pad(flat, (0, pad)).view(-1, self.chunk_size)
+    def _encode_rows(
+        self,
+        flat: torch.Tensor,
+        residual: torch.Tensor | None,
+        feedback: bool,
+        rows: int,
+        row_len: int,
+        stream: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``flat + residual``, zero-padded to ``rows * row_len``, encoded as ``rows`` blocks that each decode alone:
+        ``(payload [rows, bytes per block], kept [numel])``, ``kept`` the new residual with ``feedback``, else this
+        rank's decoded copy (``_codec.encode``)."""
+        noise = None
+        if self.rounding == "stochastic" and self.method != "sign":
+            noise = self._rand(torch.Size([rows, row_len // self.chunk_size, self.chunk_size]), stream, flat.device)
+        variant = f"{self.rounding}_{'feedback' if feedback else 'own'}"
+        out = self.kernels.run(
+            "encode", self.method, variant, flat, residual, noise, rows, row_len, self.chunk_size, feedback
+        )
+        return out  # type: ignore[return-value]
+
+    def _decode_rows(self, payload: torch.Tensor, row_len: int, mean: bool = False) -> torch.Tensor:
+        """The inverse of :meth:`_encode_rows`: ``[rows, bytes per block]`` -> ``[rows, row_len]`` fp32, or with
+        ``mean`` the mean of the rows (``[row_len]``, summed in row order)."""
+        name = "decode_mean" if mean else "decode"
+        return self.kernels.run(name, self.method, "", payload, row_len, self.chunk_size)  # type: ignore[return-value]
 
     def _encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The byte payload of ``flat`` (one block, padded to whole chunks) and this rank's own decoded tensor."""
-        padded = self._chunks(flat).reshape(1, -1)
-        payload, own = self._encode_blocks(padded)
-        return payload.reshape(-1), own.reshape(-1)[: flat.numel()]
+        row_len = -(-flat.numel() // self.chunk_size) * self.chunk_size
+        payload, own = self._encode_rows(flat, None, False, 1, row_len)
+        return payload.reshape(-1), own
 
     def _decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        n = -(-numel // self.chunk_size) * self.chunk_size
-        return self._decode_blocks(payload.view(1, -1), n).reshape(-1)[:numel]
+        row_len = -(-numel // self.chunk_size) * self.chunk_size
+        return self._decode_rows(payload.view(1, -1), row_len).reshape(-1)[:numel]
 
     def _rand(self, shape: torch.Size, stream: int, device: torch.device) -> torch.Tensor:
         # (seed, calls, stream): the two phases of one exchange draw from different streams. Drawn on the tensor's
@@ -372,66 +434,24 @@ class Compressor:
         gen = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + self.calls + stream * 7_919_000_003)
         return torch.rand(shape, generator=gen, device=device)
 
-    def _encode_blocks(self, blocks: torch.Tensor, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode each row of ``blocks`` (``[b, s]``, ``s`` a multiple of ``chunk_size``) on its own: ``(payload
-        [b, bytes per block], own decoded [b, s])``. A block is its codes followed by its chunks' fp32 scales, so a
-        row can be sent to one rank and decoded alone."""
-        b, s = blocks.shape
-        chunks = blocks.reshape(b, -1, self.chunk_size)
-        if self.method in ("int8", "int4"):
-            levels = 127.0 if self.method == "int8" else 7.0
-            scale = chunks.abs().amax(dim=2, keepdim=True) / levels
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            x = chunks / safe
-            if self.rounding == "stochastic":
-                x = torch.floor(x + self._rand(x.shape, stream, x.device))
-            else:
-                x = torch.round(x)
-            q = x.clamp_(-levels, levels)
-            own = (q * scale).reshape(b, s)
-            if self.method == "int8":
-                codes = q.to(torch.int8).reshape(b, s).view(torch.uint8)
-            else:
-                # Two values per byte, offset to 1..15 (0 unused): low nibble first.
-                nibbles = (q + 8).to(torch.uint8).reshape(b, s // 2, 2)
-                codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
-        else:
-            scale = chunks.abs().mean(dim=2, keepdim=True)
-            positive = chunks >= 0
-            bits = _BITS.to(chunks.device)
-            codes = (positive.reshape(b, -1, 8).to(torch.uint8) * bits).sum(dim=2, dtype=torch.uint8)
-            own = (torch.where(positive, 1.0, -1.0) * scale).reshape(b, s)
-        scales = scale.reshape(b, -1).contiguous().view(torch.uint8)
-        return torch.cat([codes.reshape(b, -1), scales], dim=1), own
-
-    def _decode_blocks(self, payload: torch.Tensor, s: int) -> torch.Tensor:
-        """The inverse of :meth:`_encode_blocks`: ``[b, bytes per block]`` -> ``[b, s]`` fp32."""
-        b = payload.shape[0]
-        n_chunks = s // self.chunk_size
-        code_bytes = {"int8": s, "int4": s // 2, "sign": s // 8}[self.method]
-        codes = payload[:, :code_bytes]
-        scale = payload[:, code_bytes:].contiguous().view(torch.float32).view(b, n_chunks, 1)
-        if self.method == "int8":
-            q = codes.contiguous().view(torch.int8).float()
-        elif self.method == "int4":
-            q = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(b, s).float() - 8.0
-        else:
-            positive = (codes.reshape(-1, 1) & _BITS.to(codes.device)).ne(0)
-            q = torch.where(positive, 1.0, -1.0).reshape(b, s)
-        return (q.view(b, n_chunks, self.chunk_size) * scale).reshape(b, s)
-
     def _two_phase(
-        self, flat: torch.Tensor, group: dist.ProcessGroup | None, key: str, world: int
+        self,
+        flat: torch.Tensor,
+        residual: torch.Tensor | None,
+        feedback: bool,
+        group: dist.ProcessGroup | None,
+        key: str,
+        world: int,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Compressed all-to-all of shards, average, re-encode (server error feedback), compressed all-gather."""
         numel = flat.numel()
         shard = -(-numel // (world * self.chunk_size)) * self.chunk_size  # whole chunks per rank's shard
-        blocks = torch.nn.functional.pad(flat, (0, world * shard - numel)).view(world, shard)
-        payload, own = self._encode_blocks(blocks)
+        payload, kept = self._encode_rows(flat, residual, feedback, world, shard)
         received = torch.empty_like(payload)
         all_to_all_flat(received.view(-1), payload.reshape(-1), group)
         # This rank's shard from every rank, decoded and averaged in rank order: the same sum on any machine.
-        averaged = self._decode_blocks(received, shard).sum(dim=0) / world
+        averaged = self._decode_rows(received, shard, mean=True)
+        held = None
         if self.error_feedback:
             held = self.server_residuals.get(key)
             if held is not None:
@@ -441,17 +461,16 @@ class Compressor:
                         f"key {key!r} was exchanged in shards of {held.numel()} elements and now of {shard}: the "
                         "tensor or the number of ranks changed; HINT: one key per tensor, and resume on as many ranks"
                     )
-                averaged = averaged + held
-        mine, mine_own = self._encode_blocks(averaged.view(1, shard), stream=1)
+        mine, server_kept = self._encode_rows(averaged, held, self.error_feedback, 1, shard, stream=1)
         if self.error_feedback:
-            self.server_residuals[key] = averaged - mine_own[0]
+            self.server_residuals[key] = server_kept
         gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         all_gather_flat(gathered, mine.view(-1), group)
-        mean = self._decode_blocks(gathered.view(world, -1), shard).reshape(-1)[:numel]
+        mean = self._decode_rows(gathered.view(world, -1), shard).reshape(-1)[:numel]
         sent_a2a, recv_a2a = _wire("all_to_all", payload.numel(), world)
         sent_ag, recv_ag = _wire("all_gather", mine.numel(), world)
         self.last_wire = (sent_a2a + sent_ag, recv_a2a + recv_ag)
-        return mean, own.reshape(-1)[:numel], payload.numel() + mine.numel()
+        return mean, kept, payload.numel() + mine.numel()
 
     # -- powersgd -----------------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """CUDA streams, events and timing: the side stream's ordering and overlap, stream waits timed by events,
-``SyncMonitor``'s step times on a GPU, and the compressors' codecs on CUDA against the CPU's."""
+``SyncMonitor``'s step times on a GPU, and the compressors' codecs on CUDA (fused by default there) against the
+CPU's and the eager ones."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_syncasync.algorithms import _codec
+from lightning_syncasync.algorithms._codec import Kernels
 from lightning_syncasync.algorithms._comm import CommThread
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder, timing_event
@@ -168,6 +171,28 @@ def test_the_codecs_give_on_the_gpu_what_they_give_on_the_cpu(method):
     assert int(differ.sum()) <= 10
     codes = {"int8": x.numel(), "int4": x.numel() // 2, "sign": x.numel() // 8}[method]
     assert int((payload_dev.cpu()[:codes] != payload_cpu[:codes]).sum()) <= 10
+
+
+@needs_cuda
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["int8", "int4", "sign"])
+def test_on_a_gpu_the_codec_is_fused_and_gives_the_eager_codes(method):
+    # codec="auto" compiles on CUDA (Triton); its first calls are checked against the eager codec, which drops the
+    # fused one for the process if they disagree (Kernels._broken says why): here it must not have.
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    held = torch.randn_like(x) * 0.01
+    fused, eager = Compressor(method), Compressor(method, codec="eager")
+    assert fused.kernels.mode(x.device) == "compiled"
+    chunks = -(-x.numel() // 256)
+    for rows, length in ((1, chunks * 256), (4, -(-chunks // 4) * 256)):
+        for residual, feedback in ((None, False), (held, True)):
+            got = fused._encode_rows(x, residual, feedback, rows, length)
+            want = eager._encode_rows(x, residual, feedback, rows, length)
+            assert Kernels._broken is None, Kernels._broken
+            assert _codec._disagreement(method, got, want, length) is None
+            assert got[0].device == x.device and got[1].device == x.device
+            decoded = fused._decode_rows(got[0], length, mean=True)
+            assert _codec._disagreement(method, decoded, eager._decode_rows(got[0], length, mean=True), length) is None
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,181 @@
+"""The fused (``torch.compile``) codec against the eager one, on the CPU: the same codes, through the compressor's
+own paths (error feedback fused into the encode, blocks of several rows, the mean of decoded rows), from a
+background thread as the strategies' exchange threads call it, and the settings that choose it.
+
+Inductor compiles C++ here and Triton on CUDA from the same graphs; ``tests/gpu`` compares them there."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms import _codec
+from lightning_syncasync.algorithms._codec import CODEC_ENV, Kernels
+from lightning_syncasync.algorithms.compression import Compressor
+
+pytestmark = pytest.mark.timeout(240)
+
+CASES = [("int8", "nearest"), ("int8", "stochastic"), ("int4", "nearest"), ("int4", "stochastic"), ("sign", "nearest")]
+
+
+def _scales(method: str, payload: torch.Tensor, row_len: int) -> torch.Tensor:
+    return payload[:, _codec.code_bytes(method, row_len) :].contiguous().view(torch.float32)
+
+
+def _codes(method: str, payload: torch.Tensor, row_len: int) -> torch.Tensor:
+    return payload[:, : _codec.code_bytes(method, row_len)]
+
+
+def _same(method: str, a: torch.Tensor, b: torch.Tensor, row_len: int) -> None:
+    """int8 and int4 payloads are bitwise equal (their scale is a maximum); sign's codes are, and its scales (a
+    chunk's mean, summed in another order by the fused loop) agree to the last bits."""
+    assert torch.equal(_codes(method, a, row_len), _codes(method, b, row_len))
+    if method == "sign":
+        torch.testing.assert_close(_scales(method, a, row_len), _scales(method, b, row_len), rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("method", "rounding"), CASES)
+def test_the_compiled_codec_gives_the_eager_codes_with_error_feedback_and_several_rows(method, rounding):
+    gen = torch.Generator().manual_seed(3)
+    eager = Compressor(method, rounding=rounding, codec="eager", seed=5)
+    fused = Compressor(method, rounding=rounding, codec="compiled", seed=5)
+    rows, row_len = 3, 4 * 256
+    for size in (3 * 1024 - 77, 2 * 1024 + 5):  # two sizes: the second call takes the dynamic-shape graph
+        held_e = held_f = None
+        flat = torch.randn(size, generator=gen) * torch.rand(size, generator=gen)
+        for feedback in (True, False):
+            pe, ke = eager._encode_rows(flat, held_e, feedback, rows, row_len)
+            pf, kf = fused._encode_rows(flat, held_f, feedback, rows, row_len)
+            assert pe.shape == pf.shape and ke.shape == kf.shape == flat.shape
+            _same(method, pe, pf, row_len)
+            tol = {"rtol": 1e-5, "atol": 1e-6} if method == "sign" else {"rtol": 0, "atol": 0}
+            torch.testing.assert_close(kf, ke, **tol)
+            # The fused decode of the same bytes, and the mean of the rows in row order, are bitwise the eager ones.
+            assert torch.equal(eager._decode_rows(pe, row_len), fused._decode_rows(pe, row_len))
+            assert torch.equal(eager._decode_rows(pe, row_len, mean=True), fused._decode_rows(pe, row_len, mean=True))
+            if feedback:
+                held_e, held_f = ke, kf
+        # The last encode (no feedback) kept this rank's decoded copy: what the payload decodes to.
+        assert torch.equal(ke, eager._decode_rows(pe, row_len).reshape(-1)[:size])
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield None
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("collective", ["two_phase", "allgather"])
+def test_a_compiled_compressor_keeps_the_eager_sequence_of_means_and_residuals(one_rank_group, collective):
+    eager = Compressor("int8", rounding="stochastic", collective=collective, codec="eager", seed=1)
+    fused = Compressor("int8", rounding="stochastic", collective=collective, codec="compiled", seed=1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grad = torch.randn(5000, generator=gen)
+        mean_e, bytes_e = eager.allreduce(grad, None, "g")
+        mean_f, bytes_f = fused.allreduce(grad, None, "g")
+        assert bytes_e == bytes_f and torch.equal(mean_e, mean_f)
+        assert torch.equal(eager.residuals["g"], fused.residuals["g"])
+        assert eager.server_residuals.keys() == fused.server_residuals.keys()
+        for key in eager.server_residuals:
+            assert torch.equal(eager.server_residuals[key], fused.server_residuals[key])
+
+
+def test_the_compiled_codec_runs_from_background_threads():
+    # The averager's, async rounds' and the DDP hook's exchanges run the codec on their own threads: compiling there,
+    # from two threads at once, must give what the main thread gets.
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(2))
+    expected = Compressor("int4", codec="eager")._encode(x)[0]
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            results.append(Compressor("int4", codec="compiled")._encode(x)[0])
+        except BaseException as err:  # handed to the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=200)
+    assert not errors, errors
+    assert len(results) == 2 and all(torch.equal(r, expected) for r in results)
+
+
+def test_auto_fuses_on_cuda_only_and_the_environment_overrides_the_setting(monkeypatch):
+    monkeypatch.delenv(CODEC_ENV, raising=False)
+    monkeypatch.setattr(Kernels, "_broken", None)
+    auto = Kernels("auto")
+    assert auto.mode(torch.device("cpu")) == "eager"
+    assert auto.mode(torch.device("cuda", 0)) == "compiled"
+    monkeypatch.setenv(CODEC_ENV, "compiled")
+    assert Kernels("eager").mode(torch.device("cpu")) == "compiled"
+    monkeypatch.setenv(CODEC_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{CODEC_ENV} must be one of .*HINT"):
+        auto.mode(torch.device("cpu"))
+
+
+def _failing_compile(fn, **kwargs):
+    def compiled(*args):
+        raise RuntimeError("no compiler here")
+
+    return compiled
+
+
+def test_a_compiler_failure_raises_with_a_hint_under_compiled_and_falls_back_under_auto(monkeypatch):
+    monkeypatch.delenv(CODEC_ENV, raising=False)
+    monkeypatch.setattr(_codec.torch, "compile", _failing_compile)
+    monkeypatch.setattr(Kernels, "_compiled", {})
+    monkeypatch.setattr(Kernels, "_broken", None)
+    x = torch.randn(600)
+    with pytest.raises(RuntimeError, match="codec='compiled' could not compile encode.*no compiler here.*HINT"):
+        Compressor("int8", codec="compiled")._encode(x)
+    # Under "auto" a failing compiler costs speed, not the run: the eager codes, a warning, and no second try.
+    auto = Compressor("int8", codec="auto")
+    expected = Compressor("int8", codec="eager")._encode(x)
+    monkeypatch.setattr(auto.kernels, "mode", lambda device: "eager" if Kernels._broken else "compiled")
+    got = auto._encode(x)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert "no compiler here" in (Kernels._broken or "")
+    assert auto.kernels.mode(x.device) == "eager"
+
+
+def test_a_bad_codec_is_refused():
+    with pytest.raises(ValueError, match="codec must be one of .*HINT"):
+        Compressor("int8", codec="fused")  # type: ignore[arg-type]
+
+
+def _miscompiling(fn, **kwargs):
+    # What a miscompiled graph does: right shapes, one chunk of garbage (as Inductor's CPU loops did in torch 2.13
+    # for the residual of a padded last chunk, before encode took it from the padded tensor).
+    def compiled(method, *args):
+        payload, kept = fn(method, *args)
+        kept = kept.clone()
+        kept[-100:] = 1e30
+        return payload, kept
+
+    return compiled
+
+
+def test_a_compiled_codec_that_disagrees_with_eager_is_refused_or_dropped(monkeypatch):
+    monkeypatch.delenv(CODEC_ENV, raising=False)
+    monkeypatch.setattr(_codec.torch, "compile", _miscompiling)
+    monkeypatch.setattr(Kernels, "_compiled", {})
+    monkeypatch.setattr(Kernels, "_checked", {})
+    monkeypatch.setattr(Kernels, "_broken", None)
+    x = torch.randn(3000)
+    with pytest.raises(RuntimeError, match="disagreed with the eager one: 100 of 3000 elements of output 1.*HINT"):
+        Compressor("int8", codec="compiled")._encode(x)
+    auto = Compressor("int8", codec="auto")
+    monkeypatch.setattr(auto.kernels, "mode", lambda device: "eager" if Kernels._broken else "compiled")
+    expected = Compressor("int8", codec="eager")._encode(x)
+    got = auto._encode(x)
+    assert torch.equal(got[1], expected[1]) and "disagreed" in (Kernels._broken or "")
