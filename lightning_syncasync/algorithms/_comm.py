@@ -11,6 +11,7 @@ device, nothing is copied.
 from __future__ import annotations
 
 import gc
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -21,6 +22,32 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms.streams import SideStream
+
+# The backend of the process groups the pack's background threads run collectives on (the averager's compressed
+# rounds, async rounds, the per-step SSP exchange, the compressed DDP hook). Unset: the job's default backend.
+EXCHANGE_BACKEND_ENV = "SYNCASYNC_EXCHANGE_BACKEND"
+
+
+def exchange_backend() -> str | None:
+    """The backend for the groups whose collectives a background thread issues: ``None`` (the job's default, NCCL
+    on GPUs) or ``"gloo"`` when ``SYNCASYNC_EXCHANGE_BACKEND=gloo``.
+
+    Why it exists: under NCCL those threads launch collectives on one communicator while the training thread (DDP's
+    buckets, Lightning's own collectives) launches on another. NCCL documents concurrent communicators on one device
+    as safe only when every rank orders all their operations the same way (NCCL user guide, "Using multiple NCCL
+    communicators concurrently"; torch's ``new_group`` docs ask the same of threads), which two host threads do not
+    guarantee: it usually works when both kernels fit on the GPU, and can hang when they do not. Over gloo the
+    background hop has no GPU kernel to order (its tensors go through a CPU copy): the fix to reach for when a GPU
+    job with a background exchange hangs (``docs/gpu.md``)."""
+    value = os.environ.get(EXCHANGE_BACKEND_ENV, "")
+    if value == "":
+        return None
+    if value != "gloo":
+        raise ValueError(
+            f"{EXCHANGE_BACKEND_ENV} must be unset or 'gloo', got {value!r}; HINT: unset it to use the job's own "
+            "backend, or 'gloo' to keep the background exchanges off NCCL"
+        )
+    return value
 
 
 class CommThread:

@@ -44,6 +44,10 @@ Error feedback (Seide et al., 2014; Karimireddy et al., 2019): what compression 
 residual under the caller's key and added to the next tensor sent under that key, so nothing is lost, only delayed.
 For ``powersgd`` the residual is taken against the averaged approximation, as in torch's hook.
 
+The chunked methods' arithmetic (encode with the residual fused in, decode, mean of decoded rows) lives in
+``_codec.py`` as plain tensor functions that run eagerly or fused by ``torch.compile`` (``codec``; fused on CUDA by
+default, where the codec is bound by memory traffic).
+
 Bytes are counted from the tensors actually handed to collectives (what this rank sends), never estimated.
 Everything is plain torch and runs on gloo and NCCL.
 """

@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, check_same_on_every_rank, destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, check_same_on_every_rank, destroy_groups, exchange_backend
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._optim import local_part
 
@@ -111,7 +111,9 @@ class ShardsInsideNodes:
         self._make_groups(topo, timedelta(seconds=self.peer_timeout_s))
 
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
-        self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        self._cross_group, _ = dist.new_subgroups_by_enumeration(
+            topo.all_cross_node(), timeout=timeout, backend=exchange_backend()
+        )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend
 from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
@@ -325,7 +325,8 @@ class AsyncSSPStrategy(
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s))
+        # The rounds' and the SSP exchange's group: their collectives run on a thread (exchange_backend).
+        self._group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s), backend=exchange_backend())
 
     @override
     def configure_ddp(self) -> None:

@@ -26,7 +26,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -145,8 +145,12 @@ class HierSyncStrategy(
         if self.warmup_steps > 0:
             self._world_grad_group = dist.new_group()  # DDP's hook during warm-up: gradients over every rank
         timeout = timedelta(seconds=self.peer_timeout_s)
-        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
-        self._cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        # The averager's groups: its compressed rounds run on a thread (exchange_backend).
+        backend = exchange_backend()
+        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout, backend=backend)
+        self._cross_group, _ = dist.new_subgroups_by_enumeration(
+            topo.all_cross_node(), timeout=timeout, backend=backend
+        )
         # Validation's mean of the node replicas: its own group, since compressed rounds use _cross_group from a
         # thread at any time.
         self._eval_cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import all_gather_state, broadcast_, destroy_groups
+from lightning_syncasync.algorithms._comm import all_gather_state, broadcast_, destroy_groups, exchange_backend
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
 from lightning_syncasync.algorithms.compressed_hook import RESCALED_METHODS, WARMUP_METHODS, CompressedAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -230,12 +230,13 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
             # Groups of its own: the hook's collectives run on a background thread. Across real or virtual nodes
             # with several ranks each, the node and inter-node groups too (hierarchical all-reduce: full precision
             # inside the node, compressed across; see algorithms/compressed_hook.py).
-            group = dist.new_group()
+            backend = exchange_backend()
+            group = dist.new_group(backend=backend)
             self._own_groups.append(group)
             node_group = cross_group = None
             if topo.spans_nodes() and topo.node_size > 1:
-                node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
-                cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
+                node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), backend=backend)
+                cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), backend=backend)
                 self._own_groups += [node_group, cross_group]
             self._compressed = CompressedAllReduce(
                 compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group,

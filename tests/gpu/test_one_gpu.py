@@ -40,6 +40,18 @@ def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
     assert not every_step, rank["syncs"]
 
 
+@pytest.mark.timeout(180)
+def test_async_rounds_over_a_gloo_exchange_under_an_nccl_job_keep_their_state_on_the_gpu(tmp_path):
+    # SYNCASYNC_EXCHANGE_BACKEND=gloo: the job stays NCCL, the group the rounds' thread uses is gloo, and its
+    # collectives go through CPU copies of the GPU tensors (_comm's staging); the state stays on the GPU.
+    options = {"compression": "int8", "local_steps": 2, "dynamic_local_steps": False}
+    env = {"SYNCASYNC_EXCHANGE_BACKEND": "gloo"}
+    (rank,) = run_ranks(tmp_path, "async_ssp", ACCELERATOR, options, steps=10, ranks=1, env=env)
+    assert len(rank["losses"]) == 10 and rank["losses"][-1] < rank["losses"][0]
+    # "gloo": the exchange's group is, so a wire-side buffer may sit on the CPU as under a gloo job.
+    assert not misplaced(rank["tensors"], "gloo"), misplaced(rank["tensors"], "gloo")
+
+
 PRESETS = ["deepspeed_fp16", "deepspeed_zero2_bf16", "deepspeed_zero3_offload"]
 
 

@@ -15,6 +15,14 @@ CASES = {
         {"compression": "int8", "local_steps": 2, "staleness": 1, "dynamic_local_steps": False},
         "compressor.residuals",
     ),
+    # The background exchange's groups over gloo whatever the job's backend (on the CPU both are gloo: this runs the
+    # setting through the strategy's setup; on GPUs it takes that hop off NCCL, docs/gpu.md).
+    "hier_sync_int8_exchange_backend_gloo": (
+        "hier_sync",
+        {"compression": "int8", "inter_period": 2},
+        "averager.compressor.residuals",
+        {"SYNCASYNC_EXCHANGE_BACKEND": "gloo"},
+    ),
 }
 
 
@@ -22,8 +30,8 @@ CASES = {
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_ranks_started_like_torchrun_report_what_the_strategy_holds(tmp_path, case):
-    strategy, options, expected = CASES[case]
-    ranks = run_ranks(tmp_path, strategy, "cpu", options, steps=8)
+    strategy, options, expected, *env = CASES[case]
+    ranks = run_ranks(tmp_path, strategy, "cpu", options, steps=8, env=env[0] if env else None)
     assert [r["rank"] for r in ranks] == [0, 1]
     # max_steps=8 on each rank (claimed batches: 16 over both, async_ssp's budget).
     assert sum(len(r["losses"]) for r in ranks) == 16
