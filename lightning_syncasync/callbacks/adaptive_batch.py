@@ -372,13 +372,16 @@ class AdaptiveBatchSize(Callback):
         if self.sampler is None:
             return
         self._batches += 1
-        prefix = self._monitor.prefix if self._monitor is not None else "syncasync/"
-        pl_module.log(f"{prefix}batch_size", float(self._batch_size), on_step=True, on_epoch=False, batch_size=1)
-        if self._probe is not None:
-            grown = {f"{prefix}global_batch": float(self._step_total), f"{prefix}adascale_gain": self._probe.gain}
-            if self.noise.noise_scale is not None:
-                grown[f"{prefix}noise_scale"] = self.noise.noise_scale
-            pl_module.log_dict(grown, on_step=True, on_epoch=False, batch_size=1)
+        # Logged on Lightning's logging steps only (log_every_n_steps): a `self.log` call costs host time every
+        # step (SyncMonitor.on_train_batch_end says how much).
+        if trainer._logger_connector.should_update_logs:
+            prefix = self._monitor.prefix if self._monitor is not None else "syncasync/"
+            pl_module.log(f"{prefix}batch_size", float(self._batch_size), on_step=True, on_epoch=False, batch_size=1)
+            if self._probe is not None:
+                grown = {f"{prefix}global_batch": float(self._step_total), f"{prefix}adascale_gain": self._probe.gain}
+                if self.noise.noise_scale is not None:
+                    grown[f"{prefix}noise_scale"] = self.noise.noise_scale
+                pl_module.log_dict(grown, on_step=True, on_epoch=False, batch_size=1)
         if self.adapt and self._batches % self.interval == 0 and trainer.world_size > 1:
             self._rebalance(trainer, pl_module)
 

@@ -141,7 +141,10 @@ class SyncSwitcher(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach().float().reshape(-1)[:1])  # on its device: no per-step sync
-        pl_module.log("syncasync/mode_id", float(MODES.index(trainer.strategy.mode)), on_step=True, batch_size=1)  # type: ignore[attr-defined]
+        # Logged on Lightning's logging steps only (log_every_n_steps): a `self.log` call costs host time every
+        # step (SyncMonitor.on_train_batch_end says how much).
+        if trainer._logger_connector.should_update_logs:
+            pl_module.log("syncasync/mode_id", float(MODES.index(trainer.strategy.mode)), on_step=True, batch_size=1)  # type: ignore[attr-defined]
 
     @override
     def on_train_batch_start(
