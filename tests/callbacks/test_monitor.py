@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,19 +20,18 @@ from lightning_syncasync.callbacks import SyncMonitor
 PARAM_BYTES = sum(p.numel() * 4 for p in TinyModel().parameters())
 
 
-def _fit(tmp_path: Path, **trainer_kwargs) -> dict:
+def _fit(tmp_path: Path, model: TinyModel | None = None, **trainer_kwargs) -> dict:
     summary_file = tmp_path / "summary.json"
+    kwargs = {"max_steps": 10, "log_every_n_steps": 1, **trainer_kwargs}
     trainer = Trainer(
         accelerator="cpu",
-        max_steps=10,
         logger=CSVLogger(tmp_path, name="csv", version=0),
         callbacks=[SyncMonitor(summary_file=str(summary_file))],
         enable_checkpointing=False,
         enable_model_summary=False,
-        log_every_n_steps=1,
-        **trainer_kwargs,
+        **kwargs,
     )
-    trainer.fit(TinyModel())
+    trainer.fit(model or TinyModel())
     return json.loads(summary_file.read_text())
 
 
@@ -63,6 +63,34 @@ def test_ddp_fork_reports_bytes_and_wait_per_step(tmp_path):
     ):
         assert f"syncasync/{name}" in logged
     assert float(next(r for r in rows if r["syncasync/bytes_intra"])["syncasync/bytes_intra"]) == PARAM_BYTES
+
+
+class _CountingLogs(TinyModel):
+    """Counts ``self.log`` calls per name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def log(self, name, value, *args, **kwargs):
+        self.calls[name] += 1
+        super().log(name, value, *args, **kwargs)
+
+
+def test_per_step_values_are_logged_on_lightnings_logging_steps_and_the_summary_counts_every_step(tmp_path):
+    # Each self.log costs host time every step; like Lightning's own monitors, SyncMonitor logs its per-step values
+    # only where the loggers write (log_every_n_steps), and still aggregates every step (buffered: 70 steps cross
+    # one flush of the aggregates and end with a partial one).
+    model = _CountingLogs()
+    summary = _fit(tmp_path, model, devices=1, max_steps=70, log_every_n_steps=8, enable_progress_bar=False)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("syncasync/compute_s")]
+    assert [int(r["step"]) for r in rows] == list(range(7, 70, 8))
+    # The calls themselves (Lightning writes only the logging steps' values either way): 8 logging steps of 9
+    # values, and no other per-step call.
+    assert model.calls["syncasync/compute_s"] == 8 and model.calls["syncasync/wait_s"] == 8, model.calls
+    (rank,) = summary["ranks"]
+    assert rank["steps"] == 70 and rank["samples_per_s"] > 0, summary
 
 
 class _ReadProgressBar(Callback):

@@ -1,0 +1,123 @@
+"""Host time each strategy and callback adds to a training step, at one rank, on a model too small to compute.
+
+On a GPU the host must queue a step's kernels faster than the GPU runs them; for a small model (the transformer
+demo on an H200) the host is the bottleneck, so every Python microsecond a strategy or callback adds per step shows
+in steps/s (the GPU check's target: every strategy within 3% of plain Lightning at one rank). This script reads
+that cost on any machine, CPU included: it fits a 16 -> 4 linear model (about a millisecond of Lightning's own work
+per step, almost no arithmetic) with plain Lightning and with each contender, interleaved over rounds, and prints
+each one's milliseconds per step and what it adds to plain Lightning's, medians over the rounds.
+
+    python scripts/host_overhead.py                              # the one-rank strategies and SyncMonitor
+    python scripts/host_overhead.py --contenders ddp,hier_sync --steps 300 --rounds 3
+
+``auto+sync_monitor`` is plain Lightning with ``SyncMonitor``; ``ddp`` (Lightning's own DDP at one rank) shows what
+the DDP wrapper costs, which the DDP-based strategies share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_syncasync.bench.gpu import _quiet_lightning, _step_timer, default_strategies  # noqa: E402
+
+BASELINE = "auto"
+MONITORED = "auto+sync_monitor"
+
+
+class Tiny(L.LightningModule):
+    """A linear classifier on random data, logging its loss as models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(4096, 16, generator=g), torch.randint(0, 4, (4096,), generator=g))
+        return DataLoader(data, batch_size=8, shuffle=True)
+
+
+def ms_per_step(name: str, warmup: int, steps: int) -> float:
+    """Milliseconds per step of one fit, after ``warmup`` steps (bench.gpu's step timer)."""
+    device = torch.device("cpu")
+    timer = _step_timer(warmup, steps, device)
+    callbacks: list[Any] = [timer]
+    strategy = name
+    if name == MONITORED:
+        from lightning_syncasync.callbacks import SyncMonitor
+
+        strategy = BASELINE
+        callbacks.append(SyncMonitor(progress_bar=False, print_summary=False))
+    environ = dict(os.environ)
+    try:
+        with _quiet_lightning(False):
+            torch.manual_seed(0)
+            trainer = L.Trainer(
+                accelerator="cpu", devices=1, strategy=strategy, max_steps=warmup + steps, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+            )  # fmt: skip
+            trainer.fit(Tiny())
+        return 1000.0 / timer.steps_per_s()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # a one-rank group left behind would be the next fit's
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contenders", default=None, help="comma-separated names (default: SyncMonitor and every "
+                   "strategy of this package that runs at one rank)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    import lightning_syncasync  # noqa: F401  (registers the strategy names)
+
+    names = args.contenders.split(",") if args.contenders else [MONITORED, *default_strategies()]
+    contenders = [BASELINE, *[n for n in names if n != BASELINE]]
+    runs: dict[str, list[float]] = {n: [] for n in contenders}
+    for _ in range(args.rounds):
+        for name in contenders:  # interleaved: drift hits every contender alike
+            runs[name].append(ms_per_step(name, args.warmup_steps, args.steps))
+    plain = statistics.median(runs[BASELINE])
+    results = {n: {"ms_per_step": statistics.median(r), "added_ms": statistics.median(r) - plain, "runs": r}
+               for n, r in runs.items()}  # fmt: skip
+    print(f"{'contender':<22} {'ms/step':>8} {'added ms':>9} {'x plain':>8}  runs")
+    for name, rec in results.items():
+        runs_text = ", ".join(f"{x:.3f}" for x in rec["runs"])
+        print(f"{name:<22} {rec['ms_per_step']:>8.3f} {rec['added_ms']:>+9.3f} {rec['ms_per_step'] / plain:>8.2f}"
+              f"  [{runs_text}]")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
