@@ -8,7 +8,8 @@ per step, almost no arithmetic) with plain Lightning and with each contender, in
 each one's milliseconds per step and what it adds to plain Lightning's, medians over the rounds.
 
     python scripts/host_overhead.py                              # the one-rank strategies and SyncMonitor
-    python scripts/host_overhead.py --contenders ddp,hier_sync --steps 300 --rounds 3
+    python scripts/host_overhead.py --contenders ddp,hier_sync --steps 300 --rounds 3 --out run.json
+    python scripts/host_overhead.py --table before.json after.json    # Markdown: x plain, a column per run
 
 ``auto+sync_monitor`` is plain Lightning with ``SyncMonitor``; ``ddp`` (Lightning's own DDP at one rank) shows what
 the DDP wrapper costs, which the DDP-based strategies share.
@@ -97,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
+    p.add_argument("--label", default=None, help="the run's name in --table (default: the --out file's stem)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON", help="print a Markdown table of these runs")
     args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table([json.loads(Path(f).read_text()) for f in args.table]))
+        return 0
     import lightning_syncasync  # noqa: F401  (registers the strategy names)
 
     names = args.contenders.split(",") if args.contenders else [MONITORED, *default_strategies()]
@@ -115,8 +121,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<22} {rec['ms_per_step']:>8.3f} {rec['added_ms']:>+9.3f} {rec['ms_per_step'] / plain:>8.2f}"
               f"  [{runs_text}]")  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2))
+        label = args.label or Path(args.out).stem
+        record = {"label": label, "command": " ".join(sys.argv), "results": results}
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    """Each contender's per-step time as a multiple of plain Lightning's in the same run, a column per run."""
+    names = [n for n in runs[0]["results"] if n != BASELINE]
+    lines = ["| contender | " + " | ".join(r["label"] for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for name in names:
+        cells = []
+        for run in runs:
+            rec, plain = run["results"].get(name), run["results"][BASELINE]["ms_per_step"]
+            cells.append("-" if rec is None else f"{rec['ms_per_step'] / plain:.2f}x")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
