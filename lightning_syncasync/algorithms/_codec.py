@@ -40,9 +40,11 @@ CODECS: tuple[str, ...] = ("auto", "eager", "compiled")
 # Overrides every Compressor's `codec` setting (for a whole job, e.g. to rule the compiler out when chasing a bug).
 CODEC_ENV = "SYNCASYNC_CODEC"
 LEVELS = {"int8": 127.0, "int4": 7.0}
-# Compiled calls per case also run eagerly and compared, to catch a miscompiled graph: the first static-shape graph
-# and the dynamic-shape graph that follows the first change of size are both among them.
+# Compiled calls per case that also run eagerly and are compared, to catch a miscompiled graph: the first calls of
+# each case, and the first call at each new size up to CHECKED_SIZES sizes (Dynamo compiles a static graph for the
+# first size and a dynamic one at the first change of size: both are among them).
 CHECKED_CALLS = 3
+CHECKED_SIZES = 4
 # What "the same" allows between fused and eager results: values may differ in the last bits (a sum in another
 # order, a division rounded otherwise on a GPU) and a code where a value sits on a rounding boundary, in a tiny share
 # of the elements; a miscompiled graph gets whole chunks wrong.
@@ -135,6 +137,7 @@ class Kernels:
     _lock = threading.Lock()
     _broken: str | None = None  # why compiling failed under "auto" (then every Compressor stays eager)
     _checked: dict[tuple[str, str, str, bool, bool], int] = {}  # compiled calls per case, compared with eager ones
+    _sizes: dict[tuple[str, str, str, bool, bool], set[int]] = {}  # the sizes compared per case
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
@@ -154,10 +157,10 @@ class Kernels:
         """Call :func:`encode`, :func:`decode` or :func:`decode_mean` (``name``) as ``name(method, *args)``, fused or
         not. ``variant`` names the case (rounding, feedback) that gets a compiled graph of its own.
 
-        The first ``CHECKED_CALLS`` calls of each compiled case (one row or several) also run eagerly and are
-        compared: a compiler that miscompiles (Inductor in torch 2.13 did, on the CPU, for the residual of a padded
-        last chunk: ``docs/gpu.md``) must cost speed, not the model. A disagreement is handled as a compiler
-        failure."""
+        The first ``CHECKED_CALLS`` calls of each compiled case (one row or several), and its first call at each of
+        its first ``CHECKED_SIZES`` sizes, also run eagerly and are compared: a compiler that miscompiles (Inductor
+        in torch 2.13 did, on the CPU, for the residual of a padded last chunk: ``docs/gpu.md``) must cost speed,
+        not the model. A disagreement is handled as a compiler failure."""
         fn = _FUNCTIONS[name]
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         device = tensors[0].device
@@ -173,9 +176,12 @@ class Kernels:
             # C++ toolchain) failed.
             expected = fn(method, *args)
             return self._give_up(name, device, f"{type(err).__name__}: {err}", err, lambda: expected)
+        size = tensors[0].numel()
         with Kernels._lock:
-            check = Kernels._checked.get(case, 0) < CHECKED_CALLS
+            seen = Kernels._sizes.setdefault(case, set())
+            check = Kernels._checked.get(case, 0) < CHECKED_CALLS or (size not in seen and len(seen) < CHECKED_SIZES)
             Kernels._checked[case] = Kernels._checked.get(case, 0) + 1
+            seen.add(size)
         if check:
             expected = fn(method, *args)
             why = _disagreement(method, out, expected, int(args[4] if name == "encode" else args[1]))  # type: ignore[call-overload]

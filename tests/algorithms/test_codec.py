@@ -170,6 +170,7 @@ def test_a_compiled_codec_that_disagrees_with_eager_is_refused_or_dropped(monkey
     monkeypatch.setattr(_codec.torch, "compile", _miscompiling)
     monkeypatch.setattr(Kernels, "_compiled", {})
     monkeypatch.setattr(Kernels, "_checked", {})
+    monkeypatch.setattr(Kernels, "_sizes", {})
     monkeypatch.setattr(Kernels, "_broken", None)
     x = torch.randn(3000)
     with pytest.raises(RuntimeError, match="disagreed with the eager one: 100 of 3000 elements of output 1.*HINT"):
@@ -179,3 +180,30 @@ def test_a_compiled_codec_that_disagrees_with_eager_is_refused_or_dropped(monkey
     expected = Compressor("int8", codec="eager")._encode(x)
     got = auto._encode(x)
     assert torch.equal(got[1], expected[1]) and "disagreed" in (Kernels._broken or "")
+
+
+def _miscompiling_at(numel):
+    # A graph that is only wrong at one size (as a dynamic-shape graph, compiled at the first change of size, can be).
+    def factory(fn, **kwargs):
+        def compiled(method, flat, *args):
+            payload, kept = fn(method, flat, *args)
+            if flat.numel() == numel:
+                kept = kept.clone()
+                kept[:100] = -1e30
+            return payload, kept
+
+        return compiled
+
+    return factory
+
+
+def test_a_miscompile_at_a_later_size_is_caught_at_that_sizes_first_call(monkeypatch):
+    monkeypatch.delenv(CODEC_ENV, raising=False)
+    monkeypatch.setattr(_codec.torch, "compile", _miscompiling_at(2000))
+    for attr, value in (("_compiled", {}), ("_checked", {}), ("_sizes", {}), ("_broken", None)):
+        monkeypatch.setattr(Kernels, attr, value)
+    comp = Compressor("int8", codec="compiled")
+    for _ in range(2 * _codec.CHECKED_CALLS):  # past the first calls' checks, at one size
+        comp._encode(torch.randn(3000))
+    with pytest.raises(RuntimeError, match="disagreed with the eager one: 100 of 2000 elements"):
+        comp._encode(torch.randn(2000))
