@@ -224,7 +224,9 @@ class Kernels:
 def _disagreement(method: str, got: object, expected: object, row_len: int) -> str | None:
     """Why ``got`` (compiled) is not ``expected`` (eager), or ``None`` when they agree (``AGREE_RTOL``,
     ``AGREE_SHARE``). Payloads compare their codes byte by byte and their scales as numbers."""
-    pairs = list(zip(got, expected, strict=True)) if isinstance(got, tuple) else [(got, expected)]  # type: ignore[arg-type]
+    outs = list(got) if isinstance(got, tuple) else [got]
+    wants = list(expected) if isinstance(expected, tuple) else [expected]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(outs, wants, strict=True))  # type: ignore[arg-type]
     for i, (a, b) in enumerate(pairs):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i} is {a.dtype}{list(a.shape)}, eager gives {b.dtype}{list(b.shape)}"
