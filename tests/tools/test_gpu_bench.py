@@ -23,6 +23,8 @@ from lightning_syncasync.bench.gpu import (
     TARGET_INT8,
     TARGET_STRATEGIES,
     default_strategies,
+    resolve_strategies,
+    targets,
 )
 from lightning_syncasync.bench.gpu import main as gpu_main
 from lightning_syncasync.strategies import pack_strategy_names
@@ -101,6 +103,18 @@ def test_default_strategies_are_the_ones_that_run_at_one_rank():
     assert not any(n.endswith("_spawn") or "sharded" in n or n in EXCLUDED_AT_WORLD_SIZE_1 for n in names)
     # An exclusion names a registered strategy: a renamed one must not slip into the default unnoticed.
     assert set(EXCLUDED_AT_WORLD_SIZE_1) <= set(pack_strategy_names())
+
+
+def test_lightnings_ddp_runs_by_default_as_a_reference_outside_the_target():
+    assert resolve_strategies(None) == [*default_strategies(), "ddp"]
+
+    def rec(ratio):
+        return {"median": ratio, "runs": [ratio], "ratio_to_plain": ratio, "error": None}
+
+    summary = {"compression": {}, "steps_per_s": {BASELINE: rec(1.0), "hier_sync": rec(0.99), "ddp": rec(0.5)}}
+    assert targets(summary)[TARGET_STRATEGIES] is True  # ddp's gap is reported, not the pack's to meet
+    summary["steps_per_s"]["hier_sync"] = rec(0.9)
+    assert targets(summary)[TARGET_STRATEGIES] is False
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is valid here")
