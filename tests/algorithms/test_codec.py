@@ -207,3 +207,30 @@ def test_a_miscompile_at_a_later_size_is_caught_at_that_sizes_first_call(monkeyp
         comp._encode(torch.randn(3000))
     with pytest.raises(RuntimeError, match="disagreed with the eager one: 100 of 2000 elements"):
         comp._encode(torch.randn(2000))
+
+
+def _int8_with_scales_off(x: torch.Tensor, ulps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 with error feedback (no residual held) as a GPU graph may compute it: each chunk scale ``ulps`` ulp above
+    the correctly rounded one (Triton's approximate division), everything else as ``_codec.encode``."""
+    n, row_len = x.numel(), -(-x.numel() // 256) * 256
+    chunks = torch.nn.functional.pad(x, (0, row_len - n)).view(1, -1, 256)
+    scale = chunks.abs().amax(dim=2, keepdim=True) / 127.0
+    for _ in range(ulps):
+        scale = torch.nextafter(scale, torch.full_like(scale, float("inf")))
+    q = torch.round(chunks / scale).clamp(-127, 127)
+    codes = q.to(torch.int8).reshape(1, -1).view(torch.uint8)
+    payload = torch.cat([codes, scale.reshape(1, -1).view(torch.uint8)], dim=1)
+    return payload, (chunks - q * scale).reshape(-1)[:n]
+
+
+def test_scales_a_few_ulp_off_agree_and_scales_visibly_off_do_not():
+    # The check must not drop the fused codec on a GPU for Triton's approximate division (AGREE_RTOL's comment), and
+    # must still catch a graph that computes the scales wrong.
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(7)) * 3
+    row_len = -(-x.numel() // 256) * 256
+    eager = _codec.encode("int8", x, None, None, 1, row_len, 256, True)
+    assert _codec._disagreement("int8", _int8_with_scales_off(x, 0), eager, row_len) is None
+    assert _codec._disagreement("int8", _int8_with_scales_off(x, 2), eager, row_len) is None
+    assert _codec._disagreement("int8", _int8_with_scales_off(x, 8), eager, row_len) is None  # margin over 2
+    assert _codec._disagreement("int8", _int8_with_scales_off(x, 20), eager, row_len) is not None
+    assert _codec._disagreement("int8", _int8_with_scales_off(x, 2000), eager, row_len) is not None
