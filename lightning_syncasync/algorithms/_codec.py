@@ -146,14 +146,19 @@ class Kernels:
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
+        self._setting()  # a bad SYNCASYNC_CODEC is refused where the compressor is made, not in an exchange thread
 
-    def mode(self, device: torch.device) -> str:
-        """``"compiled"`` or ``"eager"`` for tensors on ``device``, after the environment override."""
+    def _setting(self) -> str:
         codec = os.environ.get(CODEC_ENV, self.codec)
         if codec not in CODECS:
             raise ValueError(
                 f"{CODEC_ENV} must be one of {CODECS}, got {codec!r}; HINT: unset it to use each Compressor's codec"
             )
+        return codec
+
+    def mode(self, device: torch.device) -> str:
+        """``"compiled"`` or ``"eager"`` for tensors on ``device``, after the environment override."""
+        codec = self._setting()
         if codec == "auto":
             return "compiled" if device.type == "cuda" and Kernels._broken is None else "eager"
         return codec
@@ -199,7 +204,7 @@ class Kernels:
     def _give_up(
         self, name: str, device: torch.device, why: str, err: BaseException | None, eager: Callable[[], object]
     ) -> object:
-        if os.environ.get(CODEC_ENV, self.codec) == "compiled":
+        if self._setting() == "compiled":
             raise RuntimeError(
                 f"codec='compiled' could not compile {name} on {device}: {why}; HINT: codec='eager' (or "
                 f"{CODEC_ENV}=eager) runs the same arithmetic unfused"

@@ -121,6 +121,8 @@ def test_auto_fuses_on_cuda_only_and_the_environment_overrides_the_setting(monke
     monkeypatch.setenv(CODEC_ENV, "fast")
     with pytest.raises(ValueError, match=f"{CODEC_ENV} must be one of .*HINT"):
         auto.mode(torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"{CODEC_ENV} must be one of .*HINT"):
+        Compressor("int8")  # refused where the compressor is made, before any exchange thread runs it
 
 
 def _failing_compile(fn, **kwargs):
