@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -84,10 +85,17 @@ class _Report(Callback):
 
     def __init__(self) -> None:
         self.tensors: list[tuple[str, str, str, int]] = []
+        self.groups: dict[str, str] = {}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         owners = {"strategy": trainer.strategy, "callbacks": [c for c in trainer.callbacks if c is not self]}
         self.tensors = [(p, t.device.type, str(t.dtype), t.numel()) for p, t in sorted(owned_tensors(owners).items())]
+        # The backend of every process group the strategy holds (its own attributes and a `_groups` dict).
+        held = {
+            **vars(trainer.strategy),
+            **{f"_groups[{k!r}]": g for k, g in getattr(trainer.strategy, "_groups", {}).items()},
+        }
+        self.groups = {k: str(dist.get_backend(g)) for k, g in held.items() if isinstance(g, dist.ProcessGroup)}
 
 
 class _HostSyncs(Callback):
@@ -197,7 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = trainer.global_rank
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     torch.save(
-        {"rank": rank, "state": state, "losses": model.losses, "tensors": report.tensors, "syncs": syncs.syncs},
+        {
+            "rank": rank,
+            "state": state,
+            "losses": model.losses,
+            "tensors": report.tensors,
+            "syncs": syncs.syncs,
+            "groups": report.groups,
+        },
         Path(args.out) / f"rank{rank}.pt",
     )
     return 0

@@ -241,7 +241,11 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
             self._compressed = CompressedAllReduce(
                 compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group,
                 warmup_steps=self.compression_warmup_steps,
-                warmup_compressor=Compressor(self.compression_warmup, seed=self.global_rank),  # type: ignore[arg-type]
+                warmup_compressor=Compressor(
+                    self.compression_warmup,  # type: ignore[arg-type]
+                    seed=self.global_rank,
+                    codec=self.compression_options.get("codec", "auto"),
+                ),
                 frozen_rms=self.compression_frozen_rms,
             )  # fmt: skip
             if self._restored_compression is not None:

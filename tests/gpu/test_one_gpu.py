@@ -33,6 +33,8 @@ def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
     assert rank["losses"][-1] < rank["losses"][0], "it did not learn"
     backend = "gloo" if DRY_RUN else "nccl"
     assert not misplaced(rank["tensors"], backend), misplaced(rank["tensors"], backend)
+    # Without SYNCASYNC_EXCHANGE_BACKEND every group the strategy holds is on the job's backend.
+    assert set(rank["groups"].values()) <= {backend}, rank["groups"]
     # No host sync of ours in every steady step (at one rank there is nothing to wait for; the target of the steps/s
     # benchmark, within 3% of plain Lightning, needs the host to stay ahead of the GPU). A policy that looks at the
     # GPU once per window (SyncSwitcher's decisions) is allowed: it costs one sync per window, not per step.
@@ -48,6 +50,7 @@ def test_async_rounds_over_a_gloo_exchange_under_an_nccl_job_keep_their_state_on
     env = {"SYNCASYNC_EXCHANGE_BACKEND": "gloo"}
     (rank,) = run_ranks(tmp_path, "async_ssp", ACCELERATOR, options, steps=10, ranks=1, env=env)
     assert len(rank["losses"]) == 10 and rank["losses"][-1] < rank["losses"][0]
+    assert rank["groups"]["_group"] == "gloo", rank["groups"]  # the rounds' group, whatever the job's backend
     # "gloo": the exchange's group is, so a wire-side buffer may sit on the CPU as under a gloo job.
     assert not misplaced(rank["tensors"], "gloo"), misplaced(rank["tensors"], "gloo")
 

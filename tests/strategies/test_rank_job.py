@@ -41,6 +41,7 @@ def test_two_ranks_started_like_torchrun_report_what_the_strategy_holds(tmp_path
         # The walk reaches the strategy's own state (the compressor's residuals), on the CPU here.
         assert any(expected in p for p in paths), paths
         assert {t[1] for t in r["tensors"]} == {"cpu"}
+        assert r["groups"] and set(r["groups"].values()) == {"gloo"}, r["groups"]  # the report reads the groups
     # The ranks saw different data (so the exchange had something to do), and end on one model (the end-of-fit cut;
     # BatchNorm's integer step counter stays each rank's own: with claimed batches they take 7 and 9 steps at times).
     assert ranks[0]["losses"] != ranks[1]["losses"]
