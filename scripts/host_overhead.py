@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,16 +26,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_syncasync.bench.gpu import _quiet_lightning, _step_timer, default_strategies  # noqa: E402
-
-BASELINE = "auto"
-MONITORED = "auto+sync_monitor"
+from lightning_syncasync.bench.gpu import BASELINE, MONITORED, default_strategies, fit_steps_per_s  # noqa: E402
 
 
 class Tiny(L.LightningModule):
@@ -62,32 +57,10 @@ class Tiny(L.LightningModule):
 
 
 def ms_per_step(name: str, warmup: int, steps: int) -> float:
-    """Milliseconds per step of one fit, after ``warmup`` steps (bench.gpu's step timer)."""
-    device = torch.device("cpu")
-    timer = _step_timer(warmup, steps, device)
-    callbacks: list[Any] = [timer]
-    strategy = name
-    if name == MONITORED:
-        from lightning_syncasync.callbacks import SyncMonitor
-
-        strategy = BASELINE
-        callbacks.append(SyncMonitor(progress_bar=False, print_summary=False))
-    environ = dict(os.environ)
-    try:
-        with _quiet_lightning(False):
-            torch.manual_seed(0)
-            trainer = L.Trainer(
-                accelerator="cpu", devices=1, strategy=strategy, max_steps=warmup + steps, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
-            )  # fmt: skip
-            trainer.fit(Tiny())
-        return 1000.0 / timer.steps_per_s()
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # a one-rank group left behind would be the next fit's
-        os.environ.clear()
-        os.environ.update(environ)
+    """Milliseconds per step of one fit of :class:`Tiny` after ``warmup`` steps (``bench.gpu``'s timed fit)."""
+    rate, _ = fit_steps_per_s(name, torch.device("cpu"), warmup, steps, seed=0, verbose=False,
+                              fit=lambda trainer: trainer.fit(Tiny()))  # fmt: skip
+    return 1000.0 / rate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,12 +378,17 @@ def _quiet_lightning(verbose: bool) -> Iterator[None]:
 
 
 def fit_steps_per_s(
-    strategy: str, device: torch.device, warmup: int, steps: int, seed: int, verbose: bool
+    strategy: str,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    seed: int,
+    verbose: bool,
+    fit: Callable[[Any], None] | None = None,
 ) -> tuple[float, str]:
-    """Steps/s of one fit of the transformer demo with ``strategy`` at ``devices=1``, and the strategy's class."""
+    """Steps/s of one fit with ``strategy`` at ``devices=1``, and the strategy's class. ``fit(trainer)`` runs the
+    fit (default: the transformer demo; ``scripts/host_overhead.py`` passes a model too small to compute)."""
     import lightning as L
-
-    from lightning_syncasync.demo import TextDataModule, TransformerLM
 
     timer = _step_timer(warmup, steps, device)
     callbacks: list[Any] = [timer]
@@ -411,7 +416,12 @@ def fit_steps_per_s(
                 limit_val_batches=0,
                 callbacks=callbacks,
             )
-            trainer.fit(TransformerLM(**MODEL_KWARGS), datamodule=TextDataModule(**DATA_KWARGS))
+            if fit is None:
+                from lightning_syncasync.demo import TextDataModule, TransformerLM
+
+                trainer.fit(TransformerLM(**MODEL_KWARGS), datamodule=TextDataModule(**DATA_KWARGS))
+            else:
+                fit(trainer)
         return timer.steps_per_s(), type(trainer.strategy).__name__
     finally:
         # At devices=1 every DDP-based strategy still initialises a (one-rank) default process group and leaves it

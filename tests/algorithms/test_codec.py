@@ -65,6 +65,15 @@ def test_the_compiled_codec_gives_the_eager_codes_with_error_feedback_and_severa
 
 
 @pytest.fixture
+def fresh_kernels(monkeypatch):
+    """The codec's process-wide state as a new process has it (no compiled graphs, checks or fallback), and no
+    SYNCASYNC_CODEC; put back after the test."""
+    monkeypatch.delenv(CODEC_ENV, raising=False)
+    for attr, value in (("_compiled", {}), ("_checked", {}), ("_sizes", {}), ("_broken", None)):
+        monkeypatch.setattr(Kernels, attr, value)
+
+
+@pytest.fixture
 def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield None
@@ -110,9 +119,7 @@ def test_the_compiled_codec_runs_from_background_threads():
     assert len(results) == 2 and all(torch.equal(r, expected) for r in results)
 
 
-def test_auto_fuses_on_cuda_only_and_the_environment_overrides_the_setting(monkeypatch):
-    monkeypatch.delenv(CODEC_ENV, raising=False)
-    monkeypatch.setattr(Kernels, "_broken", None)
+def test_auto_fuses_on_cuda_only_and_the_environment_overrides_the_setting(monkeypatch, fresh_kernels):
     auto = Kernels("auto")
     assert auto.mode(torch.device("cpu")) == "eager"
     assert auto.mode(torch.device("cuda", 0)) == "compiled"
@@ -132,11 +139,8 @@ def _failing_compile(fn, **kwargs):
     return compiled
 
 
-def test_a_compiler_failure_raises_with_a_hint_under_compiled_and_falls_back_under_auto(monkeypatch):
-    monkeypatch.delenv(CODEC_ENV, raising=False)
+def test_a_compiler_failure_raises_with_a_hint_under_compiled_and_falls_back_under_auto(monkeypatch, fresh_kernels):
     monkeypatch.setattr(_codec.torch, "compile", _failing_compile)
-    monkeypatch.setattr(Kernels, "_compiled", {})
-    monkeypatch.setattr(Kernels, "_broken", None)
     x = torch.randn(600)
     with pytest.raises(RuntimeError, match="codec='compiled' could not compile encode.*no compiler here.*HINT"):
         Compressor("int8", codec="compiled")._encode(x)
@@ -167,13 +171,8 @@ def _miscompiling(fn, **kwargs):
     return compiled
 
 
-def test_a_compiled_codec_that_disagrees_with_eager_is_refused_or_dropped(monkeypatch):
-    monkeypatch.delenv(CODEC_ENV, raising=False)
+def test_a_compiled_codec_that_disagrees_with_eager_is_refused_or_dropped(monkeypatch, fresh_kernels):
     monkeypatch.setattr(_codec.torch, "compile", _miscompiling)
-    monkeypatch.setattr(Kernels, "_compiled", {})
-    monkeypatch.setattr(Kernels, "_checked", {})
-    monkeypatch.setattr(Kernels, "_sizes", {})
-    monkeypatch.setattr(Kernels, "_broken", None)
     x = torch.randn(3000)
     with pytest.raises(RuntimeError, match="disagreed with the eager one: 100 of 3000 elements of output 1.*HINT"):
         Compressor("int8", codec="compiled")._encode(x)
@@ -199,11 +198,8 @@ def _miscompiling_at(numel):
     return factory
 
 
-def test_a_miscompile_at_a_later_size_is_caught_at_that_sizes_first_call(monkeypatch):
-    monkeypatch.delenv(CODEC_ENV, raising=False)
+def test_a_miscompile_at_a_later_size_is_caught_at_that_sizes_first_call(monkeypatch, fresh_kernels):
     monkeypatch.setattr(_codec.torch, "compile", _miscompiling_at(2000))
-    for attr, value in (("_compiled", {}), ("_checked", {}), ("_sizes", {}), ("_broken", None)):
-        monkeypatch.setattr(Kernels, attr, value)
     comp = Compressor("int8", codec="compiled")
     for _ in range(2 * _codec.CHECKED_CALLS):  # past the first calls' checks, at one size
         comp._encode(torch.randn(3000))
@@ -238,12 +234,9 @@ def test_scales_a_few_ulp_off_agree_and_scales_visibly_off_do_not():
     assert _codec._disagreement("int8", _int8_with_scales_off(x, 2000), eager, row_len) is not None
 
 
-def test_non_finite_inputs_are_not_a_compiler_failure(monkeypatch):
+def test_non_finite_inputs_are_not_a_compiler_failure(monkeypatch, fresh_kernels):
     # An fp16 loss-scale overflow puts inf in a gradient bucket: the codes of such a chunk are undefined on both
     # sides (NaN cast to an integer), so the check skips that call instead of blaming the compiler.
-    monkeypatch.delenv(CODEC_ENV, raising=False)
-    for attr, value in (("_checked", {}), ("_sizes", {}), ("_broken", None)):
-        monkeypatch.setattr(Kernels, attr, value)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
     x[5] = float("inf")
     payload, own = Compressor("int8", codec="compiled")._encode(x)
