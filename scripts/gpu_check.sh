@@ -9,16 +9,20 @@
 # the test results included) and gpu_bench.log. The benchmark runs even when the tests fail, so one run gives both;
 # the exit status is non-zero when either failed.
 #
-# Sized for 8 minutes on one H200: each stage has a hard time limit, GPU_CHECK_TESTS_TIMEOUT_S (default 330) and
-# GPU_CHECK_BENCH_TIMEOUT_S (default 150), so a hung NCCL start cannot eat the machine's time; the benchmark writes
-# its JSON after every stage, so a killed one still leaves what it measured.
+# Sized for 8 minutes on one H200: each stage has a hard time limit, GPU_CHECK_TESTS_TIMEOUT_S (default 290) and
+# GPU_CHECK_BENCH_TIMEOUT_S (default 150), so a hung NCCL start cannot eat the machine's time. A stage past its limit
+# gets SIGINT (SIGKILL 20 s later): pytest then still prints the failures so far and writes its JUnit file, and the
+# benchmark's JSON already holds every figure read (it is rewritten after each one). The test files run in a fixed
+# order, most telling first, the DeepSpeed presets (the slowest start) last; each test's outcome is logged as it ends.
+# Inductor compiles in the test processes with one thread (TORCHINDUCTOR_COMPILE_THREADS, unless set): each rank job
+# would otherwise start a pool of compile workers per CPU core.
 # PYTHON picks the interpreter (default: python). The package need not be installed: the repo goes on PYTHONPATH.
 # SYNCASYNC_GPU_CHECK_CPU=1 skips the CUDA check and benchmarks with --device cpu: only for trying this script on a
 # machine without a GPU (add small sizes: --numel 1000000 --steps 5 --warmup-steps 3 --rounds 1).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
-tests_timeout="${GPU_CHECK_TESTS_TIMEOUT_S:-330}"
+tests_timeout="${GPU_CHECK_TESTS_TIMEOUT_S:-290}"
 bench_timeout="${GPU_CHECK_BENCH_TIMEOUT_S:-150}"
 cpu_mode="${SYNCASYNC_GPU_CHECK_CPU:-0}"
 
@@ -63,8 +67,19 @@ if [[ ! -d tests/gpu ]]; then
     say "tests/gpu not found in $repo_root: no GPU tests to run (counted as a failure); going on to the benchmark"
     tests_rc=4  # pytest's own status for a missing test path
 else
-    say "GPU tests (at most ${tests_timeout}s): pytest -m gpu tests/gpu"
-    timeout -k 10 "$tests_timeout" "$PYTHON" -m pytest -m gpu tests/gpu -p no:cacheprovider \
+    # Most telling first: the codec and stream units, every strategy on one GPU, the shared-GPU ranks; any file
+    # added later runs before the DeepSpeed presets.
+    first=(tests/gpu/test_cuda_timing.py tests/gpu/test_one_gpu.py tests/gpu/test_shared_gpu.py)
+    last=(tests/gpu/test_deepspeed_presets.py)
+    files=()
+    for f in "${first[@]}"; do [[ -f "$f" ]] && files+=("$f"); done
+    for f in tests/gpu/test_*.py; do
+        [[ " ${first[*]} ${last[*]} " == *" $f "* ]] || files+=("$f")
+    done
+    for f in "${last[@]}"; do [[ -f "$f" ]] && files+=("$f"); done
+    say "GPU tests (at most ${tests_timeout}s): pytest -m gpu ${files[*]}"
+    TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}" \
+        timeout -s INT -k 20 "$tests_timeout" "$PYTHON" -m pytest -m gpu "${files[@]}" -p no:cacheprovider -v \
         --junitxml "$out_dir/gpu_tests.xml" 2>&1 | tee "$out_dir/gpu_tests.log" || tests_rc=$?
     case "$tests_rc" in
         0) say "GPU tests passed" ;;
@@ -81,7 +96,7 @@ if [[ -f "$out_dir/gpu_tests.xml" ]]; then
 fi
 say "benchmark (at most ${bench_timeout}s): python -m lightning_syncasync.bench.gpu"
 bench_rc=0
-timeout -k 10 "$bench_timeout" "$PYTHON" -m lightning_syncasync.bench.gpu "${bench_args[@]}" \
+timeout -s INT -k 20 "$bench_timeout" "$PYTHON" -m lightning_syncasync.bench.gpu "${bench_args[@]}" \
     ${device_args[@]+"${device_args[@]}"} "$@" 2>&1 | tee "$out_dir/gpu_bench.log" || bench_rc=$?
 case "$bench_rc" in
     0) say "benchmark done" ;;

@@ -34,12 +34,14 @@ class DeviceModel(LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
-        self.losses: list[float] = []
+        # On the loss's device: reading each one back (float()) would be a host sync every step, which _HostSyncs
+        # exists to catch in the pack's code, and which would slow the steps it watches.
+        self.losses: list[torch.Tensor] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
-        self.losses.append(float(loss.detach()))
+        self.losses.append(loss.detach())
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -101,9 +103,10 @@ class _Report(Callback):
 class _HostSyncs(Callback):
     """CUDA only: every synchronising CUDA operation (``.item()``, a copy to the host, ...) that this package's code
     makes on the training thread during the steady steps (from the third step to the one before the last), by the
-    package's innermost frame, with the steps it happened in: a host sync in every step stops the host from queueing
-    ahead of the GPU (``torch.cuda.set_sync_debug_mode``). Lightning's own and the communication threads' are not
-    counted."""
+    frame that asked for it, with the steps it happened in: a host sync in every step stops the host from queueing
+    ahead of the GPU (``torch.cuda.set_sync_debug_mode``). The frame that asked is the innermost one outside torch:
+    a sync there in the pack's code counts; one in Lightning's, the test model's or the communication threads' does
+    not, even when it runs inside a hook of the pack's (the loss closure runs inside its ``optimizer_step``)."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -135,9 +138,10 @@ class _HostSyncs(Callback):
                     return self._saved(message, category, *args, **kwargs)
                 if threading.current_thread() is not threading.main_thread():
                     return None
-                ours = [f for f in traceback.extract_stack() if "lightning_syncasync" in f.filename]
-                if ours:
-                    where = f"{ours[-1].filename.rpartition('lightning_syncasync')[2]}:{ours[-1].lineno}"
+                outside = [f for f in traceback.extract_stack()[:-1] if not _torchs_or_warnings(f.filename)]
+                caller = outside[-1] if outside else None
+                if caller is not None and "lightning_syncasync" in caller.filename:
+                    where = f"{caller.filename.rpartition('lightning_syncasync')[2]}:{caller.lineno}"
                     steps = self.syncs.setdefault(where, [])
                     if self._step not in steps:
                         steps.append(self._step)
@@ -150,6 +154,14 @@ class _HostSyncs(Callback):
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = self._saved
             self._saved = None
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent) + "/"
+
+
+def _torchs_or_warnings(filename: str) -> bool:
+    """Whether a frame is torch's (the synchronising operation itself) or the warnings machinery's."""
+    return filename.startswith(_TORCH_DIR) or Path(filename).name == "warnings.py"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "rank": rank,
             "state": state,
-            "losses": model.losses,
+            "losses": [float(x) for x in model.losses],
             "tensors": report.tensors,
             "syncs": syncs.syncs,
             "groups": report.groups,

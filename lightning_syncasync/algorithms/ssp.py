@@ -462,6 +462,10 @@ class SSPExchange:
             grad, lrs = self._acc / self.world, self._last_lrs if self._last_lrs is not None else [0.0] * self.num_lrs
         self._ready.append((grad, lrs, self._acc_count))
         self._formed += 1
+        # The first accumulator was allocated by the training thread (its stream's memory pool) and read above on
+        # the side stream: freed without this, its memory could go to the training thread's next allocation while
+        # those reads are still queued. The later ones are allocated here, on the side stream, and need nothing.
+        self._side.lend(self._acc, self._side.consumer())
         self._acc = torch.zeros(self.numel, device=self.device)
         self._acc_lrs = torch.zeros(self.num_lrs, dtype=torch.float64, device="cpu")
         self._acc_count = 0

@@ -57,7 +57,9 @@ class WatchedStrategy:
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
         module = self.lightning_module  # type: ignore[attr-defined]
-        if module is not None:
+        # At one rank there is no peer to lose, and a callback that does nothing still costs Lightning's dispatch of
+        # every hook at every step.
+        if module is not None and self.world_size > 1:  # type: ignore[attr-defined]
             from lightning_syncasync.callbacks.watchdog import ensure_watchdog  # callbacks sit above strategies
 
             ensure_watchdog(module.trainer, float(getattr(self, "peer_timeout_s", 30.0)))

@@ -242,7 +242,7 @@ class AsyncSSPStrategy(
             ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
             every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
             whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints), off
-            otherwise and in per-step mode.
+            otherwise, in per-step mode and at one rank.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
@@ -406,6 +406,8 @@ class AsyncSSPStrategy(
             return self.claim_batches
         if not self.round_mode:
             return False
+        if self.world_size == 1:
+            return False  # no other rank to share the batches with; a claim would cost a store round trip per batch
         try:
             _claim_budget(trainer, self.world_size)
         except ValueError as reason:

@@ -58,6 +58,7 @@ from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
+from lightning_syncasync.strategies._one_rank import unwrapped_at_one_rank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
@@ -95,8 +96,9 @@ class AutoSyncStrategy(
     Args:
         mode: the mode training starts in (``sync`` unless told otherwise; the switcher warms up synchronously).
         switcher: add a :class:`~lightning_syncasync.callbacks.SyncSwitcher` with its defaults when the Trainer has
-            none (``Trainer(strategy="auto_sync")`` is then the whole feature); ``False`` keeps the mode fixed
-            unless a callback calls :meth:`switch_mode`.
+            none (``Trainer(strategy="auto_sync")`` is then the whole feature; at one rank none is added, as there
+            is nothing to switch between); ``False`` keeps the mode fixed unless a callback calls
+            :meth:`switch_mode`.
         node_size: ranks per node (default from the cluster); a smaller value forms virtual nodes for ``hier``.
         inter_period, max_delay: ``hier`` mode's cross-node averaging (see ``HierSyncStrategy``).
         staleness, local_steps: ``async`` mode's bound and local steps per round (see ``AsyncSSPStrategy``: rounds by
@@ -178,7 +180,11 @@ class AutoSyncStrategy(
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.switcher and self.lightning_module is not None:
+        if self.switcher and self.lightning_module is not None and self.world_size == 1:
+            # Nothing to switch between at one rank (every mode trains the one replica alone), and the switcher's
+            # SyncMonitor would cost host time every step.
+            log.info("auto_sync: one rank, so no SyncSwitcher is added (there is no communication to judge)")
+        elif self.switcher and self.lightning_module is not None:
             from lightning_syncasync.callbacks.switcher import SyncSwitcher  # callbacks sit above strategies
 
             trainer = self.lightning_module.trainer
@@ -208,7 +214,9 @@ class AutoSyncStrategy(
         self._groups["ssp"] = dist.new_group(timeout=timeout, backend=backend)
 
     @override
-    def _setup_model(self, model: Module) -> DistributedDataParallel:
+    def _setup_model(self, model: Module) -> Module:
+        if unwrapped_at_one_rank("auto_sync", self.world_size):
+            return model
         kwargs = dict(self._ddp_kwargs)
         if kwargs.pop("broadcast_buffers", None) or kwargs.pop("forward_sync_buffers", None):
             log.info("auto_sync: per-forward buffer sync is off (buffers follow the mode; see the module docstring)")
@@ -219,7 +227,8 @@ class AutoSyncStrategy(
 
     @override
     def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # one rank: no DDP, nothing to measure
         MeasuredAllReduce(self.sync_stats, scope=self._hook_scope, inner_hook=_mode_hook, inner_state=self).register(
             self.model
         )
@@ -235,7 +244,7 @@ class AutoSyncStrategy(
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn != "fit" or not isinstance(self.model, DistributedDataParallel):
+        if trainer.state.fn != "fit":
             return
         module = self.lightning_module
         assert module is not None

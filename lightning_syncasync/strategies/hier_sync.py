@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn import Module
@@ -34,6 +35,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
+from lightning_syncasync.strategies._one_rank import unwrapped_at_one_rank
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -131,7 +133,13 @@ class HierSyncStrategy(
         # Checks that node_size divides the world (or virtual_nodes each node's ranks).
         topo = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size, self.virtual_nodes)
         self.topology = topo
-        if topo.num_nodes == 1:
+        if self.world_size == 1:
+            rank_zero_warn(
+                "hier_sync: one rank, so there is nothing to average and this run trains as plain Lightning at one "
+                "device (no DDP wrapper). HINT: with 2 or more devices, node_size=1 (or any divisor of the ranks) "
+                "forms virtual nodes on one machine; as a name, strategy='hier_sync_virtual' splits it into 2"
+            )
+        elif topo.num_nodes == 1:
             # One node: nothing to average across, so every step is plain DDP. A user trying hier_sync on one box
             # would otherwise see DDP's numbers and not know why.
             rank_zero_warn(
@@ -156,7 +164,9 @@ class HierSyncStrategy(
         self._eval_cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
 
     @override
-    def _setup_model(self, model: Module) -> DistributedDataParallel:
+    def _setup_model(self, model: Module) -> Module:
+        if unwrapped_at_one_rank("hier_sync", self.world_size):
+            return model
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
             module=model, device_ids=device_ids, process_group=self._node_group, **self._ddp_kwargs
@@ -165,7 +175,8 @@ class HierSyncStrategy(
     @override
     def _register_ddp_hooks(self) -> None:
         # Measure DDP's intra-node gradient all-reduce (registered on every device type, unlike Lightning's hooks).
-        assert isinstance(self.model, DistributedDataParallel)
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # one rank: no DDP, nothing to measure
         if self.warmup_steps == 0:
             MeasuredAllReduce(self.sync_stats, scope="intra", process_group=self._node_group).register(self.model)
             return
@@ -186,7 +197,7 @@ class HierSyncStrategy(
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if self.model is None or not isinstance(self.model, DistributedDataParallel):
+        if trainer.state.fn != TrainerFn.FITTING:
             return  # not fitting: nothing to average
         assert self.topology is not None and self.lightning_module is not None
         module = self.lightning_module

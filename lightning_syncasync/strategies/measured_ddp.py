@@ -44,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -57,6 +58,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_compression_options, check_kwargs, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
+from lightning_syncasync.strategies._one_rank import unwrapped_at_one_rank
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -197,11 +199,20 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self.topology = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size)
+        if self.compression != "none":
+            exchange_backend()  # a bad setting fails at one rank too, not first where the hook's groups are made
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        if unwrapped_at_one_rank("ddp_measured", self.world_size):
+            return model
+        return super()._setup_model(model)
 
     @override
     def _register_ddp_hooks(self) -> None:
         # Unlike Lightning's, on every device type: gloo runs DDP comm hooks fine.
-        assert isinstance(self.model, DistributedDataParallel)
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # one rank: no DDP, no gradients to exchange
         assert self.topology is not None
         topo = self.topology
         flat_scope: Literal["intra", "inter"] = "inter" if topo.spans_nodes() else "intra"
@@ -272,8 +283,8 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if self.local_sgd is None:
-            return
+        if self.local_sgd is None or self.world_size == 1:
+            return  # at one rank an average of the replicas is the one replica
         assert self.topology is not None
         if self.local_sgd == "post_local_sgd":
             self._averager = PeriodicModelAverager(period=self.averaging_period, warmup_steps=self.warmup_steps)

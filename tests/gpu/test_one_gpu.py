@@ -1,15 +1,11 @@
-"""Every registered strategy on one GPU (``devices=1``, Lightning's default backend there: NCCL), and the DeepSpeed
-presets training the transformer demo through the Hydra app."""
+"""Every registered strategy on one GPU (``devices=1``, Lightning's default backend there: NCCL). The DeepSpeed
+presets are in ``test_deepspeed_presets.py``, which ``scripts/gpu_check.sh`` runs last."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 from _gpu import ACCELERATOR, DRY_RUN, gpu_tests, misplaced
-from _ranks import REPO, run_ranks
+from _ranks import run_ranks
 
 from lightning_syncasync.bench.gpu import EXCLUDED_AT_WORLD_SIZE_1
 from lightning_syncasync.strategies._registry import pack_strategy_names
@@ -53,39 +49,6 @@ def test_async_rounds_over_a_gloo_exchange_under_an_nccl_job_keep_their_state_on
     assert rank["groups"]["_group"] == "gloo", rank["groups"]  # the rounds' group, whatever the job's backend
     # "gloo": the exchange's group is, so a wire-side buffer may sit on the CPU as under a gloo job.
     assert not misplaced(rank["tensors"], "gloo"), misplaced(rank["tensors"], "gloo")
-
-
-PRESETS = ["deepspeed_fp16", "deepspeed_zero2_bf16", "deepspeed_zero3_offload"]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", PRESETS)
-def test_deepspeed_presets_train_the_transformer_demo_on_one_gpu(tmp_path, preset):
-    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (pip install '.[deepspeed]')")
-    pytest.importorskip("hydra")
-    if DRY_RUN:
-        pytest.skip("the presets are GPU presets (fp16 needs CUDA)")
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_syncasync.train",
-        "experiment=lm",
-        f"strategy={preset}",
-        "trainer=gpu",
-        "trainer.devices=1",
-        "trainer.max_steps=30",
-        "trainer.max_epochs=1",
-        "trainer.limit_val_batches=2",
-        "trainer.enable_progress_bar=false",
-        "callbacks.model_checkpoint=null",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    summary = json.loads((tmp_path / "sync_summary.json").read_text())
-    assert summary["ranks"][0]["steps"] >= 20, summary
-    # SyncMonitor's peak CUDA allocation: the model, its ZeRO states and activations (a few MB at least).
-    assert summary["cuda_peak_mb"] > 1.0, summary
 
 
 @pytest.mark.timeout(120)

@@ -276,14 +276,15 @@ def test_manual_optimisation_with_two_optimizers_and_clipping(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_one_node_says_it_is_plain_ddp_and_names_the_virtual_nodes(tmp_path):
+def test_one_rank_says_it_is_plain_lightning_and_names_the_virtual_nodes(tmp_path):
     # One process in this process, so the notice is seen here (forked ranks' warnings are not).
     trainer = Trainer(accelerator="cpu", devices=1, strategy=HierSyncStrategy(), max_steps=1, logger=False,
                       default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)  # fmt: skip
-    with pytest.warns(UserWarning, match=r"one node, so this run is plain DDP.*node_size.*hier_sync_virtual") as seen:
+    with pytest.warns(UserWarning, match=r"one rank, so there is nothing to average.*node_size.*hier_sync_virtual") \
+            as seen:
         trainer.fit(TinyModel())
-    assert len([w for w in seen if "plain DDP" in str(w.message)]) == 1  # one line, not one per step
+    assert len([w for w in seen if "nothing to average" in str(w.message)]) == 1  # one line, not one per step
 
 
 @pytest.mark.timeout(200)

@@ -22,7 +22,9 @@ from lightning_syncasync.bench.gpu import (
     MONITORED,
     TARGET_INT8,
     TARGET_STRATEGIES,
+    build_parser,
     default_strategies,
+    measure_strategies,
     resolve_strategies,
     targets,
 )
@@ -95,6 +97,21 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
     assert counts == {"tests": 3, "passed": 1, "failed": 1, "error": 0, "skipped": 1}
     assert junit_summary["cases"][1]["message"] == "assert 1 == 2"
     assert "hier_sync" in table and "memory bandwidth" in table and "int8" in table
+
+
+@pytest.mark.timeout(120)
+def test_every_fit_is_kept_as_it_ends_so_a_stopped_check_loses_no_figure():
+    import copy
+
+    args = build_parser().parse_args(["--steps", "3", "--warmup-steps", "2", "--rounds", "1"])
+    seen: list[dict] = []
+    measure_strategies(["hier_sync"], torch.device("cpu"), args, on_fit=lambda r: seen.append(copy.deepcopy(r)))
+    assert [[n for n, rec in snap.items() if rec["runs"]] for snap in seen] == [
+        [BASELINE], [BASELINE, MONITORED], [BASELINE, MONITORED, "hier_sync"]
+    ]
+    # Until every strategy has a figure, the target is "not measured", not met or missed on part of them.
+    verdicts = [targets({"compression": {}, "steps_per_s": snap})[TARGET_STRATEGIES] for snap in seen]
+    assert verdicts[:2] == [None, None] and isinstance(verdicts[2], bool)
 
 
 def test_default_strategies_are_the_ones_that_run_at_one_rank():

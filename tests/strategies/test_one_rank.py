@@ -1,0 +1,76 @@
+"""At one rank the strategies step aside: no DDP wrapper, no watchdog, no switcher, no batch claims (the host time
+each would cost every step is measured by ``scripts/host_overhead.py``), and the DDP-based ones train exactly as
+Lightning's DDP does at one rank (DDP's division by a world of one and its sum over one rank are exact)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _models import TinyAdamModel
+from lightning.pytorch import Callback, Trainer
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_syncasync  # noqa: F401  (registers the strategy names)
+from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
+from lightning_syncasync.callbacks import SyncSwitcher
+from lightning_syncasync.callbacks.watchdog import PeerWatchdog
+from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+
+
+class _Seen(Callback):
+    """What the loop ran with: the model's wrapper, the callbacks and the batch sampler, read at the first batch."""
+
+    def __init__(self) -> None:
+        self.wrapped: bool | None = None
+        self.callbacks: list[type] = []
+        self.batch_sampler: type | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.wrapped is None:
+            self.wrapped = isinstance(trainer.strategy.model, DistributedDataParallel)
+            self.callbacks = [type(c) for c in trainer.callbacks]
+            self.batch_sampler = type(trainer.train_dataloader.batch_sampler)
+
+
+def _fit(strategy: Any, tmp_path: Any, steps: int = 6) -> tuple[dict[str, torch.Tensor], _Seen, Trainer]:
+    torch.manual_seed(0)
+    model = TinyAdamModel()
+    seen = _Seen()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                      default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[seen])  # fmt: skip
+    trainer.fit(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, seen, trainer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["hier_sync", "auto_sync", "ddp_measured", "ddp_measured_int8"])
+def test_a_ddp_based_strategy_at_one_rank_is_unwrapped_and_trains_as_lightnings_ddp(name, tmp_path):
+    if name == "ddp_measured_int8":
+        from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
+
+        strategy: Any = MeasuredDDPStrategy(compression="int8")  # at one rank nothing is sent, so nothing quantized
+    else:
+        strategy = name
+    # Lightning's DDP, not its single-device strategy: a distributed strategy's loader gets a DistributedSampler,
+    # which shuffles the order.
+    ddp, ddp_seen, _ = _fit("ddp", tmp_path / "ddp")
+    ours, seen, trainer = _fit(strategy, tmp_path / "ours")
+    assert ddp_seen.wrapped is True
+    assert seen.wrapped is False, f"{name} wrapped the model in DDP at one rank"
+    assert PeerWatchdog not in seen.callbacks  # no peer to lose
+    assert SyncSwitcher not in seen.callbacks  # auto_sync: nothing to switch between
+    assert trainer.global_step == 6
+    for key, value in ddp.items():
+        assert torch.equal(ours[key], value), f"{name}: {key} differs from Lightning's DDP's"
+
+
+@pytest.mark.timeout(120)
+def test_async_ssp_at_one_rank_claims_no_batches_unless_asked(tmp_path):
+    _, seen, _ = _fit(AsyncSSPStrategy(), tmp_path / "default")
+    assert seen.batch_sampler is not ClaimingBatchSampler  # no other rank to share the epoch with
+    assert PeerWatchdog not in seen.callbacks
+    _, seen, _ = _fit(AsyncSSPStrategy(claim_batches=True), tmp_path / "asked")
+    assert seen.batch_sampler is ClaimingBatchSampler
