@@ -58,7 +58,7 @@ from lightning_syncasync.algorithms.switch_policy import MODES
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._one_rank import unwrapped_at_one_rank
+from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
@@ -89,6 +89,7 @@ class AutoSyncStrategy(
     SavesNodeOptimizers,
     CheckpointedAlgorithm,
     MergesBeforeUserHooks,
+    UnwrappedAtOneRank,
     DDPStrategy,
 ):
     """Sync, hierarchical or asynchronous training, switchable at step boundaries, for any LightningModule.
@@ -215,7 +216,7 @@ class AutoSyncStrategy(
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        if unwrapped_at_one_rank("auto_sync", self.world_size):
+        if self._unwrap_at_one_rank("auto_sync"):
             return model
         kwargs = dict(self._ddp_kwargs)
         if kwargs.pop("broadcast_buffers", None) or kwargs.pop("forward_sync_buffers", None):

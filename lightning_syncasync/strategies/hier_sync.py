@@ -35,7 +35,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._one_rank import unwrapped_at_one_rank
+from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -44,7 +44,13 @@ log = logging.getLogger(__name__)
 
 
 class HierSyncStrategy(
-    WatchedStrategy, AveragesNodes, SavesNodeOptimizers, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy
+    WatchedStrategy,
+    AveragesNodes,
+    SavesNodeOptimizers,
+    CheckpointedAlgorithm,
+    MergesBeforeUserHooks,
+    UnwrappedAtOneRank,
+    DDPStrategy,
 ):
     """Hierarchical synchronisation for any LightningModule.
 
@@ -165,7 +171,7 @@ class HierSyncStrategy(
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        if unwrapped_at_one_rank("hier_sync", self.world_size):
+        if self._unwrap_at_one_rank("hier_sync"):
             return model
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(

@@ -58,7 +58,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_compression_options, check_kwargs, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._one_rank import unwrapped_at_one_rank
+from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -71,7 +71,7 @@ _MODES = (None, "post_local_sgd", "hierarchical")
 COMPRESSED_BUCKET_MB = 2.0  # DDP bucket size under compression unless the user sets bucket_cap_mb (see __init__)
 
 
-class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
+class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOneRank, DDPStrategy):
     """DDP whose communication is measured for ``SyncMonitor``, optionally with post-local SGD or hierarchical SGD.
 
     Args:
@@ -204,7 +204,7 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        if unwrapped_at_one_rank("ddp_measured", self.world_size):
+        if self._unwrap_at_one_rank("ddp_measured"):
             return model
         return super()._setup_model(model)
 

@@ -281,8 +281,9 @@ def test_one_rank_says_it_is_plain_lightning_and_names_the_virtual_nodes(tmp_pat
     trainer = Trainer(accelerator="cpu", devices=1, strategy=HierSyncStrategy(), max_steps=1, logger=False,
                       default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)  # fmt: skip
-    with pytest.warns(UserWarning, match=r"one rank, so there is nothing to average.*node_size.*hier_sync_virtual") \
-            as seen:
+    with pytest.warns(
+        UserWarning, match=r"one rank, so there is nothing to average.*node_size.*hier_sync_virtual"
+    ) as seen:
         trainer.fit(TinyModel())
     assert len([w for w in seen if "nothing to average" in str(w.message)]) == 1  # one line, not one per step
 

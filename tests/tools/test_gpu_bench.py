@@ -107,7 +107,9 @@ def test_every_fit_is_kept_as_it_ends_so_a_stopped_check_loses_no_figure():
     seen: list[dict] = []
     measure_strategies(["hier_sync"], torch.device("cpu"), args, on_fit=lambda r: seen.append(copy.deepcopy(r)))
     assert [[n for n, rec in snap.items() if rec["runs"]] for snap in seen] == [
-        [BASELINE], [BASELINE, MONITORED], [BASELINE, MONITORED, "hier_sync"]
+        [BASELINE],
+        [BASELINE, MONITORED],
+        [BASELINE, MONITORED, "hier_sync"],
     ]
     # Until every strategy has a figure, the target is "not measured", not met or missed on part of them.
     verdicts = [targets({"compression": {}, "steps_per_s": snap})[TARGET_STRATEGIES] for snap in seen]
