@@ -50,6 +50,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
+from lightning_syncasync.callbacks._step_log import log_on_logging_steps
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
 log = logging.getLogger(__name__)
@@ -372,16 +373,17 @@ class AdaptiveBatchSize(Callback):
         if self.sampler is None:
             return
         self._batches += 1
-        # Logged on Lightning's logging steps only (log_every_n_steps): a `self.log` call costs host time every
-        # step (SyncMonitor.on_train_batch_end says how much).
+        # Straight to the loggers on Lightning's logging steps only: `self.log` costs host time every step
+        # (callbacks/_step_log.py says how much).
         if trainer._logger_connector.should_update_logs:
             prefix = self._monitor.prefix if self._monitor is not None else "syncasync/"
-            pl_module.log(f"{prefix}batch_size", float(self._batch_size), on_step=True, on_epoch=False, batch_size=1)
+            values = {f"{prefix}batch_size": float(self._batch_size)}
             if self._probe is not None:
-                grown = {f"{prefix}global_batch": float(self._step_total), f"{prefix}adascale_gain": self._probe.gain}
+                values[f"{prefix}global_batch"] = float(self._step_total)
+                values[f"{prefix}adascale_gain"] = self._probe.gain
                 if self.noise.noise_scale is not None:
-                    grown[f"{prefix}noise_scale"] = self.noise.noise_scale
-                pl_module.log_dict(grown, on_step=True, on_epoch=False, batch_size=1)
+                    values[f"{prefix}noise_scale"] = self.noise.noise_scale
+            log_on_logging_steps(trainer, values)
         if self.adapt and self._batches % self.interval == 0 and trainer.world_size > 1:
             self._rebalance(trainer, pl_module)
 

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
+from lightning_syncasync.callbacks._step_log import log_on_logging_steps
 
 # The aggregates fed by every step, in the order _accumulate buffers them (the first fields of _FIELDS).
 _AGG_ORDER = ("steps", "samples", "wall_s", "compute_s", "wait_s", "bytes_intra", "bytes_inter", "staleness_mean",
@@ -209,12 +210,10 @@ class SyncMonitor(Callback):
         self._accumulate(stats)
         rate = stats.samples_per_s
         self._rate = rate if self._rate is None else self.smoothing * self._rate + (1 - self.smoothing) * rate
-        # Per-step values go to the loggers only on the steps where Lightning writes logs (log_every_n_steps), as
-        # Lightning's own LearningRateMonitor, DeviceStatsMonitor and ThroughputMonitor do: each `self.log` call
-        # costs about 0.25 ms of host time in Lightning 2.6 (its result collection is moved to the value's device
-        # on every call), so logging 9 values every step cost 2.6 ms per step, which on a GPU, where the host must
-        # stay ahead of the kernels, is a large share of a small model's step. The summary and the epoch figures
-        # still count every step; the progress bar reads the rate when it refreshes (_wrap_progress_bar).
+        # Per-step values go straight to the loggers, on Lightning's logging steps only (log_every_n_steps), as
+        # Lightning's own monitors do: through `self.log` they would cost host time at every step (_step_log.py).
+        # The summary and the epoch figures still count every step; the progress bar reads the rate when it
+        # refreshes (_wrap_progress_bar).
         if not trainer._logger_connector.should_update_logs:
             return
         p = self.prefix
@@ -229,7 +228,7 @@ class SyncMonitor(Callback):
             f"{p}staleness_max": stats.staleness_max,
             f"{p}clock_gap": stats.clock_gap,
         }
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        log_on_logging_steps(trainer, values)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms.switch_policy import MODES, SwitchPolicy, WindowStats
 from lightning_syncasync.callbacks._stats_source import gather_rows
+from lightning_syncasync.callbacks._step_log import log_on_logging_steps
 from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy, ModeUnavailableError
@@ -141,10 +142,9 @@ class SyncSwitcher(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach().float().reshape(-1)[:1])  # on its device: no per-step sync
-        # Logged on Lightning's logging steps only (log_every_n_steps): a `self.log` call costs host time every
-        # step (SyncMonitor.on_train_batch_end says how much).
-        if trainer._logger_connector.should_update_logs:
-            pl_module.log("syncasync/mode_id", float(MODES.index(trainer.strategy.mode)), on_step=True, batch_size=1)  # type: ignore[attr-defined]
+        # Straight to the loggers on Lightning's logging steps only: `self.log` costs host time every step
+        # (callbacks/_step_log.py says how much).
+        log_on_logging_steps(trainer, {"syncasync/mode_id": float(MODES.index(trainer.strategy.mode))})  # type: ignore[attr-defined]
 
     @override
     def on_train_batch_start(

@@ -78,17 +78,17 @@ class _CountingLogs(TinyModel):
 
 
 def test_per_step_values_are_logged_on_lightnings_logging_steps_and_the_summary_counts_every_step(tmp_path):
-    # Each self.log costs host time every step; like Lightning's own monitors, SyncMonitor logs its per-step values
-    # only where the loggers write (log_every_n_steps), and still aggregates every step (buffered: 70 steps cross
-    # one flush of the aggregates and end with a partial one).
+    # Each self.log costs host time every step; like Lightning's own monitors, SyncMonitor writes its per-step
+    # values straight to the loggers where they write (log_every_n_steps), and still aggregates every step
+    # (buffered: 70 steps cross one flush of the aggregates and end with a partial one).
     model = _CountingLogs()
     summary = _fit(tmp_path, model, devices=1, max_steps=70, log_every_n_steps=8, enable_progress_bar=False)
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("syncasync/compute_s")]
     assert [int(r["step"]) for r in rows] == list(range(7, 70, 8))
-    # The calls themselves (Lightning writes only the logging steps' values either way): 8 logging steps of 9
-    # values, and no other per-step call.
-    assert model.calls["syncasync/compute_s"] == 8 and model.calls["syncasync/wait_s"] == 8, model.calls
+    # Not through self.log: a name there stays in Lightning's result collection, which it walks every step. Only
+    # the once-per-epoch figures (reduced over the ranks) go that way.
+    assert set(model.calls) == {"syncasync/epoch_global_samples_per_s", "syncasync/epoch_bytes_per_step"}, model.calls
     (rank,) = summary["ranks"]
     assert rank["steps"] == 70 and rank["samples_per_s"] > 0, summary
 
