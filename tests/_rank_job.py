@@ -104,9 +104,11 @@ class _HostSyncs(Callback):
     """CUDA only: every synchronising CUDA operation (``.item()``, a copy to the host, ...) that this package's code
     makes on the training thread during the steady steps (from the third step to the one before the last), by the
     frame that asked for it, with the steps it happened in: a host sync in every step stops the host from queueing
-    ahead of the GPU (``torch.cuda.set_sync_debug_mode``). The frame that asked is the innermost one outside torch:
-    a sync there in the pack's code counts; one in Lightning's, the test model's or the communication threads' does
-    not, even when it runs inside a hook of the pack's (the loss closure runs inside its ``optimizer_step``)."""
+    ahead of the GPU. ``torch.cuda.set_sync_debug_mode`` reports the implicit ones; the explicit ones it does not
+    (``torch.cuda.synchronize``, ``Event.synchronize``) are counted through wrappers. The frame that asked is the
+    innermost one outside torch and this file: a sync there in the pack's code counts; one in Lightning's, the test
+    model's or the communication threads' does not, even when it runs inside a hook of the pack's (the loss closure
+    runs inside its ``optimizer_step``)."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -125,43 +127,60 @@ class _HostSyncs(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._watch(False)
 
-    def _watch(self, on: bool) -> None:
+    def _note(self) -> None:
+        """Count the sync being made now against the frame that asked for it, if that frame is the pack's."""
         import threading
         import traceback
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        outside = [f for f in traceback.extract_stack() if not _torchs_warnings_or_ours(f.filename)]
+        caller = outside[-1] if outside else None
+        if caller is not None and "lightning_syncasync" in caller.filename:
+            where = f"{caller.filename.rpartition('lightning_syncasync')[2]}:{caller.lineno}"
+            steps = self.syncs.setdefault(where, [])
+            if self._step not in steps:
+                steps.append(self._step)
+
+    def _watch(self, on: bool) -> None:
         import warnings
 
         if on and self._saved is None:
-            self._saved = warnings.showwarning
+            self._saved = (warnings.showwarning, torch.cuda.synchronize, torch.cuda.Event.synchronize)
+            show, device_sync, event_sync = self._saved
 
             def record(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
                 if "synchronizing CUDA operation" not in str(message):
-                    return self._saved(message, category, *args, **kwargs)
-                if threading.current_thread() is not threading.main_thread():
-                    return None
-                outside = [f for f in traceback.extract_stack()[:-1] if not _torchs_or_warnings(f.filename)]
-                caller = outside[-1] if outside else None
-                if caller is not None and "lightning_syncasync" in caller.filename:
-                    where = f"{caller.filename.rpartition('lightning_syncasync')[2]}:{caller.lineno}"
-                    steps = self.syncs.setdefault(where, [])
-                    if self._step not in steps:
-                        steps.append(self._step)
+                    return show(message, category, *args, **kwargs)
+                self._note()
                 return None
+
+            def synchronize(*args: Any, **kwargs: Any) -> Any:
+                self._note()
+                return device_sync(*args, **kwargs)
+
+            def event_synchronize(event: Any) -> Any:
+                self._note()
+                return event_sync(event)
 
             warnings.showwarning = record
             warnings.simplefilter("always")
+            torch.cuda.synchronize = synchronize  # type: ignore[assignment]
+            torch.cuda.Event.synchronize = event_synchronize  # type: ignore[method-assign]
             torch.cuda.set_sync_debug_mode("warn")
         elif not on and self._saved is not None:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = self._saved
+            warnings.showwarning, torch.cuda.synchronize, torch.cuda.Event.synchronize = self._saved  # type: ignore[method-assign]
             self._saved = None
 
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + "/"
 
 
-def _torchs_or_warnings(filename: str) -> bool:
-    """Whether a frame is torch's (the synchronising operation itself) or the warnings machinery's."""
-    return filename.startswith(_TORCH_DIR) or Path(filename).name == "warnings.py"
+def _torchs_warnings_or_ours(filename: str) -> bool:
+    """Whether a frame is torch's (the synchronising operation itself), the warnings machinery's or this file's
+    (``_HostSyncs``' own wrappers; the test model's syncs are not the pack's either)."""
+    return filename.startswith(_TORCH_DIR) or Path(filename).name in ("warnings.py", Path(__file__).name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,11 @@ on a stream (NCCL's asynchronous work, DDP's buckets) is timed by CUDA events re
 :meth:`~StatsRecorder.record_completion`), resolved when the step closes. Waits where the host itself blocks (a
 background exchange's result: the pack's communication threads finish their stream before they deliver,
 ``algorithms/streams.py``) stay on host clocks, which are right for them.
+
+Resolving an event the GPU has not reached yet means waiting for it: a host sync at every step, which a caller that
+lets the host run ahead of the GPU must not pay. ``end_step(block=False)`` resolves only the events already
+reached (``Event.query``) and carries the others to the first later step at whose end they are: each step's wait is
+then what the GPU finished waiting by its end, and sums over a window are exact but for its edges.
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._open = _Open(start=time.perf_counter())
         self._in_step = False
+        # end_step(block=False): event pairs of earlier steps the GPU had not reached when their step closed.
+        self._carried: list[tuple[Any, Any]] = []
         self.mode = mode
         self.history: deque[StepStats] = deque(maxlen=history)
         self.total_bytes = {"intra": 0, "inter": 0}
@@ -141,6 +148,7 @@ class StatsRecorder:
         # Strategies are pickled to spawned processes; a lock cannot travel, a fresh one is made on arrival.
         state = self.__dict__.copy()
         del state["_lock"]
+        state["_carried"] = []  # CUDA events (none before a fit starts) do not travel
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -236,8 +244,9 @@ class StatsRecorder:
             hist = self.histograms["clock_gap"]
             hist[round(value)] = hist.get(round(value), 0) + 1
 
-    def end_step(self, step: int, samples: int) -> StepStats:
-        """Close the step opened by :meth:`begin_step` and return its record."""
+    def end_step(self, step: int, samples: int, block: bool = True) -> StepStats:
+        """Close the step opened by :meth:`begin_step` and return its record. ``block=False``: CUDA events the GPU
+        has not reached yet are not waited for, but counted in a later step (module docstring)."""
         now = time.perf_counter()
         with self._lock:
             cur = self._open
@@ -247,9 +256,17 @@ class StatsRecorder:
             overlap_tail = 0.0
             if cur.last_launch is not None and cur.last_completion is not None:
                 overlap_tail = max(0.0, cur.last_completion - cur.last_launch)
+            pending = list(cur.stream_waits)
             if cur.launch_event is not None and cur.completion_event is not None:
-                overlap_tail = max(overlap_tail, _elapsed_s(cur.launch_event, cur.completion_event))
-            stream_wait = sum(_elapsed_s(a, b) for a, b in cur.stream_waits)
+                if block or _reached(cur.launch_event, cur.completion_event):
+                    overlap_tail = max(overlap_tail, _elapsed_s(cur.launch_event, cur.completion_event, block))
+                else:
+                    pending.append((cur.launch_event, cur.completion_event))
+            # This step's stream waits, and the pairs earlier steps carried (each counted once, where resolved).
+            pending += self._carried
+            reached = [block or _reached(*pair) for pair in pending]  # asked once: the answer may change
+            self._carried = [pair for pair, ok in zip(pending, reached, strict=True) if not ok]
+            stream_wait = sum(_elapsed_s(a, b, block) for (a, b), ok in zip(pending, reached, strict=True) if ok)
             # Wait can never exceed the step itself (a completion stamped late by a busy thread must not make
             # compute time negative).
             waited = cur.blocking_s + overlap_tail + stream_wait
@@ -287,9 +304,16 @@ def timing_event(device: Any) -> Any:
     return event
 
 
-def _elapsed_s(start: Any, end: Any) -> float:
-    """Seconds between two CUDA timing events (waits for ``end``: a no-op when the device was synchronised)."""
-    end.synchronize()
+def _reached(start: Any, end: Any) -> bool:
+    """Whether the GPU has passed both events (``Event.query``: no host sync)."""
+    return bool(end.query() and start.query())
+
+
+def _elapsed_s(start: Any, end: Any, block: bool = True) -> float:
+    """Seconds between two CUDA timing events; ``block`` waits for ``end`` first (a no-op when the device was
+    synchronised; without it the caller has checked :func:`_reached`, and waiting would be a host sync per call)."""
+    if block:
+        end.synchronize()
     return max(0.0, start.elapsed_time(end) / 1000.0)
 
 

@@ -193,8 +193,11 @@ class AdaptiveBatchSize(Callback):
         self._monitor = next((c for c in trainer.callbacks if isinstance(c, SyncMonitor)), None)
         if self._monitor is None:
             # The throughput this callback balances on comes from the StatsRecorder whose steps SyncMonitor opens
-            # and closes; without one, add a quiet one (no progress-bar field, no summary table).
-            self._monitor = SyncMonitor(progress_bar=False, print_summary=False)
+            # and closes; without one, add a quiet one (no progress-bar field, no summary table). It does not
+            # synchronise the GPU at each step (cuda_sync=False): this callback reads sums over `interval` steps,
+            # whose wall time is right without it (the host cannot run more than its launch queue ahead), and a
+            # sync per step would cost a small model's steps/s the host's lead over the GPU.
+            self._monitor = SyncMonitor(progress_bar=False, print_summary=False, cuda_sync=False)
             trainer.callbacks.append(self._monitor)
             rank_zero_info("AdaptiveBatchSize: added a SyncMonitor to measure per-rank compute throughput")
         self._patch_dataloader_injection(trainer)

@@ -86,7 +86,10 @@ class SyncMonitor(Callback):
             clocks alone time the launches, not the step. It costs the host's lead of up to one step over the GPU
             (``scripts/gpu_check.sh`` measures it: its ``auto+sync_monitor`` row). Waits on CUDA streams are timed by
             events either way (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch
-            times.
+            times, and only sums over many steps are the GPU's (the host cannot run more than its launch queue
+            ahead); a wait on a CUDA stream is counted in the first step at whose end the GPU has passed it
+            (``StatsRecorder.end_step(block=False)``), so no step waits for the GPU. The monitor ``SyncSwitcher``
+            and ``AdaptiveBatchSize`` add when there is none runs so, as they read such sums.
 
     Example::
 
@@ -205,7 +208,9 @@ class SyncMonitor(Callback):
         if self._recorder is None:
             return
         self._synchronize(pl_module)
-        stats = self._recorder.end_step(step=trainer.global_step, samples=extract_batch_size(batch))
+        # Without the sync, CUDA events the GPU has not reached are counted in a later step, not waited for.
+        stats = self._recorder.end_step(step=trainer.global_step, samples=extract_batch_size(batch),
+                                        block=self.cuda_sync)  # fmt: skip
         self._last_end = time.perf_counter()
         self._accumulate(stats)
         rate = stats.samples_per_s

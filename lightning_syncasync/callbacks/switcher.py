@@ -115,7 +115,9 @@ class SyncSwitcher(Callback):
             )
         self._monitor = next((c for c in trainer.callbacks if isinstance(c, SyncMonitor)), None)
         if self._monitor is None:
-            self._monitor = SyncMonitor(progress_bar=False, print_summary=False)
+            # No GPU sync at each step (cuda_sync=False): the policy reads sums over a window, whose wall time is
+            # right without it, and a sync per step would cost a small model's steps/s the host's lead over the GPU.
+            self._monitor = SyncMonitor(progress_bar=False, print_summary=False, cuda_sync=False)
             trainer.callbacks.append(self._monitor)  # its setup runs too: Lightning iterates the live list
         if self.rebalance and not any(isinstance(c, AdaptiveBatchSize) for c in trainer.callbacks):
             trainer.callbacks.append(AdaptiveBatchSize())

@@ -146,3 +146,71 @@ def test_pickles_for_spawn():
     clone.begin_step()
     clone.record_launch(8, "intra")
     assert clone.end_step(1, 1).bytes_intra == 8
+
+
+class _Event:
+    """Stands in for a CUDA timing event (no GPU here; tests/gpu times real ones): ``at`` ms on the GPU's clock,
+    ``reached`` once the GPU has passed it, and a count of the host syncs asked of it."""
+
+    def __init__(self, at: float, reached: bool = True, before: _Event | None = None) -> None:
+        self.at, self.reached, self.syncs, self.before = at, reached, 0, before
+
+    def query(self) -> bool:
+        return self.reached
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self.reached = True
+        if self.before is not None:  # an event earlier on the stream is passed before this one
+            self.before.reached = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert self.reached and end.reached, "cudaEventElapsedTime fails on an event not reached yet"
+        return end.at - self.at
+
+
+def _pair(start_ms: float, end_ms: float, reached: bool = True) -> tuple[_Event, _Event]:
+    start = _Event(start_ms, reached)
+    return start, _Event(end_ms, reached, before=start)
+
+
+def _step(rec: StatsRecorder, waits: list[tuple[_Event, _Event]], block: bool) -> float:
+    rec.begin_step(at=time.perf_counter() - 1.0)  # a 1 s step: the waits below are never clamped
+    for start, end in waits:
+        rec.record_stream_wait(start, end)
+    return rec.end_step(step=0, samples=1, block=block).wait_s
+
+
+def test_an_unblocked_step_never_waits_for_the_gpu_and_counts_late_waits_in_a_later_step():
+    rec = StatsRecorder()
+    late_start, late_end = _pair(0.0, 30.0, reached=False)
+    # Step 1: a 10 ms wait the GPU has passed, and a 30 ms one it has not reached: only the first counts now.
+    assert _step(rec, [_pair(0.0, 10.0), (late_start, late_end)], block=False) == pytest.approx(0.010)
+    # Step 2: still not reached: carried again; nothing of step 2's own.
+    assert _step(rec, [], block=False) == 0.0
+    late_start.reached = late_end.reached = True
+    # Step 3: reached: the carried 30 ms lands here, with step 3's own 5 ms; once, not again in step 4.
+    assert _step(rec, [_pair(0.0, 5.0)], block=False) == pytest.approx(0.035)
+    assert _step(rec, [], block=False) == 0.0
+    assert late_end.syncs == 0  # never a host sync without block
+
+
+def test_a_blocking_step_waits_for_its_events_and_for_those_carried():
+    rec = StatsRecorder()
+    late = _pair(0.0, 20.0, reached=False)
+    assert _step(rec, [late], block=False) == 0.0
+    own = _pair(0.0, 7.0, reached=False)
+    assert _step(rec, [own], block=True) == pytest.approx(0.027)  # both resolved, the late one once
+    assert own[1].syncs == 1 and late[1].syncs == 1
+    assert _step(rec, [], block=True) == 0.0
+
+
+def test_an_overlapped_tail_on_cuda_events_not_reached_is_carried_too():
+    rec = StatsRecorder()
+    launch, done = _pair(100.0, 112.0, reached=False)
+    rec.begin_step(at=time.perf_counter() - 1.0)
+    rec.record_launch(64, "intra", event=launch)
+    rec.record_completion(event=done)
+    assert rec.end_step(step=0, samples=1, block=False).wait_s == 0.0
+    launch.reached = done.reached = True
+    assert _step(rec, [], block=False) == pytest.approx(0.012)

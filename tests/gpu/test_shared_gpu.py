@@ -102,3 +102,14 @@ def test_every_kind_of_state_lives_on_the_gpu(tmp_path, case):
         assert all(e in paths for e in expected), (expected, paths)
         assert not misplaced(rank["tensors"], "gloo"), misplaced(rank["tensors"], "gloo")
         assert all(torch.isfinite(torch.tensor(rank["losses"])))
+
+
+@pytest.mark.timeout(300)
+def test_auto_sync_with_its_switcher_makes_no_host_sync_per_step(tmp_path):
+    # The switcher (and AdaptiveBatchSize) add a SyncMonitor when there is none; theirs leaves the GPU's queue alone
+    # (cuda_sync=False), so the default auto_sync makes no host sync of the pack's in every step at 2 ranks.
+    ranks = RankJob(tmp_path, "auto_sync", ACCELERATOR, {"mode": "sync"}, steps=STEPS).wait()
+    for rank in ranks:
+        assert len(rank["losses"]) == STEPS
+        every_step = {where: steps for where, steps in rank["syncs"].items() if len(steps) >= STEPS - 3}
+        assert not every_step, rank["syncs"]
