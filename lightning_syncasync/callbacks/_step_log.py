@@ -3,9 +3,10 @@
 Lightning's own monitors (``LearningRateMonitor``, ``DeviceStatsMonitor``, ``ThroughputMonitor``) do the same, and for
 host time per step. A value given to ``LightningModule.log`` costs about 0.25 ms per call in Lightning 2.6 (its
 result collection is moved to the value's device on every call), and once logged, each name stays in Lightning's
-result collection, which Lightning walks at the end of every step of the fit, logged there or not. For
-``SyncMonitor``'s 9 values that walk alone cost 0.07 ms per step (0.145 ms in all against 0.071 ms this way, on the
-16 -> 4 model of ``scripts/host_overhead.py``): host time a small model's GPU step cannot spare (``docs/gpu.md``).
+result collection, which Lightning walks at the end of every step of the fit, logged there or not. Writing
+``SyncMonitor``'s 9 values this way took its step from 1.16x to 1.07x of plain Lightning's on the 16 -> 4 model of
+``scripts/host_overhead.py`` (``docs/results/host_overhead/one_rank.json`` and ``direct_logs.json``): host time a
+small model's GPU step cannot spare (``docs/gpu.md``).
 
 What this gives up: the values are not in ``trainer.callback_metrics``, so ``ModelCheckpoint``/``EarlyStopping``
 cannot monitor them (they are throughput figures, not quality ones). They are in ``trainer.logged_metrics``, and the

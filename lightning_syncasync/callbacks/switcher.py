@@ -146,7 +146,8 @@ class SyncSwitcher(Callback):
             self._losses.append(loss.detach().float().reshape(-1)[:1])  # on its device: no per-step sync
         # Straight to the loggers on Lightning's logging steps only: `self.log` costs host time every step
         # (callbacks/_step_log.py says how much).
-        log_on_logging_steps(trainer, {"syncasync/mode_id": float(MODES.index(trainer.strategy.mode))})  # type: ignore[attr-defined]
+        if trainer._logger_connector.should_update_logs:
+            log_on_logging_steps(trainer, {"syncasync/mode_id": float(MODES.index(trainer.strategy.mode))})  # type: ignore[attr-defined]
 
     @override
     def on_train_batch_start(
