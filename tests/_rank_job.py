@@ -15,8 +15,10 @@ path, device type, dtype and size), found by :func:`owned_tensors`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+import traceback
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -105,10 +107,11 @@ class _HostSyncs(Callback):
     makes on the training thread during the steady steps (from the third step to the one before the last), by the
     frame that asked for it, with the steps it happened in: a host sync in every step stops the host from queueing
     ahead of the GPU. ``torch.cuda.set_sync_debug_mode`` reports the implicit ones; the explicit ones it does not
-    (``torch.cuda.synchronize``, ``Event.synchronize``) are counted through wrappers. The frame that asked is the
-    innermost one outside torch and this file: a sync there in the pack's code counts; one in Lightning's, the test
-    model's or the communication threads' does not, even when it runs inside a hook of the pack's (the loss closure
-    runs inside its ``optimizer_step``)."""
+    (``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize``) are counted through wrappers. The
+    frame that asked is the innermost one outside torch, Lightning (and its utilities, torchmetrics) and these
+    wrappers: a sync the pack's code asks for counts, also through Lightning (a ``self.log`` of a CUDA tensor);
+    one the test model or Lightning's loop asks for does not, even when it runs inside a hook of the pack's (the
+    loss closure runs inside its ``optimizer_step``); nor do the communication threads'."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -134,7 +137,7 @@ class _HostSyncs(Callback):
 
         if threading.current_thread() is not threading.main_thread():
             return
-        outside = [f for f in traceback.extract_stack() if not _torchs_warnings_or_ours(f.filename)]
+        outside = [f for f in traceback.extract_stack() if not _not_the_asker(f)]
         caller = outside[-1] if outside else None
         if caller is not None and "lightning_syncasync" in caller.filename:
             where = f"{caller.filename.rpartition('lightning_syncasync')[2]}:{caller.lineno}"
@@ -146,8 +149,9 @@ class _HostSyncs(Callback):
         import warnings
 
         if on and self._saved is None:
-            self._saved = (warnings.showwarning, torch.cuda.synchronize, torch.cuda.Event.synchronize)
-            show, device_sync, event_sync = self._saved
+            cuda = torch.cuda
+            self._saved = (warnings.showwarning, cuda.synchronize, cuda.Event.synchronize, cuda.Stream.synchronize)
+            show, device_sync, event_sync, stream_sync = self._saved
 
             def record(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
                 if "synchronizing CUDA operation" not in str(message):
@@ -163,24 +167,43 @@ class _HostSyncs(Callback):
                 self._note()
                 return event_sync(event)
 
+            def stream_synchronize(stream: Any) -> Any:
+                self._note()
+                return stream_sync(stream)
+
             warnings.showwarning = record
             warnings.simplefilter("always")
             torch.cuda.synchronize = synchronize  # type: ignore[assignment]
             torch.cuda.Event.synchronize = event_synchronize  # type: ignore[method-assign]
+            torch.cuda.Stream.synchronize = stream_synchronize  # type: ignore[method-assign]
             torch.cuda.set_sync_debug_mode("warn")
         elif not on and self._saved is not None:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning, torch.cuda.synchronize, torch.cuda.Event.synchronize = self._saved  # type: ignore[method-assign]
+            (warnings.showwarning, torch.cuda.synchronize, torch.cuda.Event.synchronize,  # type: ignore[method-assign]
+             torch.cuda.Stream.synchronize) = self._saved  # fmt: skip
             self._saved = None
 
 
-_TORCH_DIR = str(Path(torch.__file__).parent) + "/"
+# Where a sync is made or passed through, never asked for: torch (the operation), Lightning and the libraries it logs
+# through, the warnings machinery (``_py_warnings`` from Python 3.14), and _HostSyncs' own wrappers.
+_PASS_THROUGH_DIRS = tuple(
+    str(Path(module.__file__).parent) + "/"
+    for module in (
+        torch,
+        importlib.import_module("lightning"),
+        importlib.import_module("lightning_utilities"),
+        importlib.import_module("torchmetrics"),
+    )  # fmt: skip
+    if module.__file__ is not None
+)
+_WRAPPERS = ("_note", "record", "synchronize", "event_synchronize", "stream_synchronize")
 
 
-def _torchs_warnings_or_ours(filename: str) -> bool:
-    """Whether a frame is torch's (the synchronising operation itself), the warnings machinery's or this file's
-    (``_HostSyncs``' own wrappers; the test model's syncs are not the pack's either)."""
-    return filename.startswith(_TORCH_DIR) or Path(filename).name in ("warnings.py", Path(__file__).name)
+def _not_the_asker(frame: traceback.FrameSummary) -> bool:
+    """Whether a frame only makes or passes on a sync (see ``_PASS_THROUGH_DIRS``) rather than asking for it."""
+    if frame.filename.startswith(_PASS_THROUGH_DIRS) or Path(frame.filename).name in ("warnings.py", "_py_warnings.py"):
+        return True
+    return frame.filename == __file__ and frame.name in _WRAPPERS
 
 
 def main(argv: list[str] | None = None) -> int:

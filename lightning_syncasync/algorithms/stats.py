@@ -155,6 +155,12 @@ class StatsRecorder:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def drop_late_events(self) -> None:
+        """Forget the CUDA events earlier steps carried (``end_step(block=False)``): at the start of a fit, waits of
+        the last one's final steps are not the new one's."""
+        with self._lock:
+            self._carried = []
+
     @property
     def last(self) -> StepStats | None:
         """The most recent closed step, or ``None`` before the first."""

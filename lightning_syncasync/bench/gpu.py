@@ -646,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Steps/s first: its time is known (fits of a few seconds each), while the codecs' first compiles (Triton, at
     # 100 M elements) are not; each figure is written as soon as it is read, so a stopped check keeps them.
+    save()  # the settings and the GPU tests' results, before anything that could hang
     log.info("steps/s at devices=1: %s, %d round(s)", ", ".join([BASELINE, *names]), args.rounds)
     partial(measure_strategies(names, device, args, on_fit=partial))
     log.info("memory bandwidth on %s: copying %d fp32 elements", device, 4 * args.numel)

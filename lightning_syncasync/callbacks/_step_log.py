@@ -9,8 +9,9 @@ result collection, which Lightning walks at the end of every step of the fit, lo
 small model's GPU step cannot spare (``docs/gpu.md``).
 
 What this gives up: the values are not in ``trainer.callback_metrics``, so ``ModelCheckpoint``/``EarlyStopping``
-cannot monitor them (they are throughput figures, not quality ones). They are in ``trainer.logged_metrics``, and the
-loggers write them at the same steps as before.
+cannot monitor them (they are throughput figures, not quality ones). With loggers they are in
+``trainer.logged_metrics``, and the loggers write them at the steps Lightning writes its own step values (a
+``CSVLogger`` file has them in rows of their own at that step); with ``logger=False`` they go nowhere, as before.
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 
-def log_on_logging_steps(trainer: pl.Trainer, values: dict[str, float]) -> bool:
-    """Write ``values`` to the trainer's loggers if this step is one of Lightning's logging steps
-    (``log_every_n_steps``), at the step number Lightning's own step logs use; returns whether it did."""
-    connector = trainer._logger_connector
-    if not connector.should_update_logs:
+def is_logging_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes its own step values at this batch: a logging step (``log_every_n_steps``) or
+    ``fast_dev_run``, and not a micro-batch that only accumulates gradients (the rule of Lightning 2.6's
+    ``_LoggerConnector.update_train_step_metrics``, so each value is written once per optimizer step)."""
+    module = trainer.lightning_module
+    if trainer.fit_loop._should_accumulate() and (module is None or module.automatic_optimization):
         return False
-    connector.log_metrics(values)  # type: ignore[arg-type]
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def log_on_logging_steps(trainer: pl.Trainer, values: dict[str, float]) -> bool:
+    """Write ``values`` to the trainer's loggers if :func:`is_logging_step`, at the step number Lightning's own step
+    logs use; returns whether it did."""
+    if not is_logging_step(trainer):
+        return False
+    trainer._logger_connector.log_metrics(values)  # type: ignore[arg-type]
     return True

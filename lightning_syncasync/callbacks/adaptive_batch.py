@@ -50,7 +50,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
-from lightning_syncasync.callbacks._step_log import log_on_logging_steps
+from lightning_syncasync.callbacks._step_log import is_logging_step, log_on_logging_steps
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class AdaptiveBatchSize(Callback):
         self._batches += 1
         # Straight to the loggers on Lightning's logging steps only: `self.log` costs host time every step
         # (callbacks/_step_log.py says how much).
-        if trainer._logger_connector.should_update_logs:
+        if is_logging_step(trainer):
             prefix = self._monitor.prefix if self._monitor is not None else "syncasync/"
             values = {f"{prefix}batch_size": float(self._batch_size)}
             if self._probe is not None:

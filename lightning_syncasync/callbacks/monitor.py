@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
-from lightning_syncasync.callbacks._step_log import log_on_logging_steps
+from lightning_syncasync.callbacks._step_log import is_logging_step, log_on_logging_steps
 
 # The aggregates fed by every step, in the order _accumulate buffers them (the first fields of _FIELDS).
 _AGG_ORDER = ("steps", "samples", "wall_s", "compute_s", "wait_s", "bytes_intra", "bytes_inter", "staleness_mean",
@@ -219,7 +219,7 @@ class SyncMonitor(Callback):
         # Lightning's own monitors do: through `self.log` they would cost host time at every step (_step_log.py).
         # The summary and the epoch figures still count every step; the progress bar reads the rate when it
         # refreshes (_wrap_progress_bar).
-        if not trainer._logger_connector.should_update_logs:
+        if not is_logging_step(trainer):
             return
         p = self.prefix
         values = {
@@ -265,6 +265,8 @@ class SyncMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._synchronize(pl_module)
         self._last_end = time.perf_counter()
+        if self._recorder is not None:
+            self._recorder.drop_late_events()  # a recorder the strategy keeps across fits: the last fit's are not ours
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

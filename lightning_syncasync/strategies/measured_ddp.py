@@ -401,7 +401,10 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         self._last_gather = None  # the residuals are about to change under the same step counters
         state = checkpoint.get(_CKPT_KEY)
-        if state is not None and self.compression != "none":
+        if state is not None and self.compression != "none" and self.world_size == 1:
+            # One rank runs no compressing hook (strategies/_one_rank.py): the residuals have nothing to feed.
+            log.info("ddp_measured: one rank, so the checkpoint's compression residuals are not used")
+        elif state is not None and self.compression != "none":
             if state["world_size"] != self.world_size:
                 raise ValueError(
                     f"the checkpoint's compression residuals are for {state['world_size']} ranks, this run has "

@@ -214,3 +214,10 @@ def test_an_overlapped_tail_on_cuda_events_not_reached_is_carried_too():
     assert rec.end_step(step=0, samples=1, block=False).wait_s == 0.0
     launch.reached = done.reached = True
     assert _step(rec, [], block=False) == pytest.approx(0.012)
+
+
+def test_late_events_of_an_earlier_fit_can_be_dropped():
+    rec = StatsRecorder()
+    assert _step(rec, [_pair(0.0, 50.0, reached=False)], block=False) == 0.0
+    rec.drop_late_events()  # a new fit starts (SyncMonitor.on_train_start)
+    assert _step(rec, [], block=True) == 0.0  # the old wait is neither waited for nor counted

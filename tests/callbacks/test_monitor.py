@@ -93,6 +93,15 @@ def test_per_step_values_are_logged_on_lightnings_logging_steps_and_the_summary_
     assert rank["steps"] == 70 and rank["samples_per_s"] > 0, summary
 
 
+def test_under_gradient_accumulation_each_logging_step_is_written_once(tmp_path):
+    # should_update_logs stays true for every micro-batch of a logging step; Lightning writes its own step values
+    # once, after the optimizer step, and so must the monitor.
+    _fit(tmp_path, devices=1, max_steps=8, accumulate_grad_batches=3, log_every_n_steps=2, enable_progress_bar=False)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("syncasync/compute_s")]
+    assert steps == [1, 3, 5, 7], steps
+
+
 class _ReadProgressBar(Callback):
     def __init__(self) -> None:
         self.items: dict = {}

@@ -107,3 +107,22 @@ def test_unused_parameters_at_one_rank_get_the_warning_ddp_would_make_an_error_a
     assert len(said) == 1, said  # once per fit, not per step
     assert "unused_head.weight" in said[0] and "find_unused_parameters=True" in said[0]
     assert fit(find_unused_parameters=True) == []  # told: nothing to warn about
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_with_residuals_of_more_ranks_resumes_at_one_rank(tmp_path):
+    # At one rank no compressing hook runs, so residuals saved by a 2-rank run have nothing to feed: not a reason to
+    # refuse the resume.
+    from lightning_syncasync.strategies.measured_ddp import _CKPT_KEY, MeasuredDDPStrategy
+
+    _, _, trainer = _fit(MeasuredDDPStrategy(compression="int8"), tmp_path / "first", steps=2)
+    path = tmp_path / "two_ranks.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint[_CKPT_KEY] = {"world_size": 2, "ranks": [{"residuals": {}}, {"residuals": {}}]}
+    torch.save(checkpoint, path)
+    resumed = Trainer(accelerator="cpu", devices=1, strategy=MeasuredDDPStrategy(compression="int8"), max_steps=4,
+                      logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)  # fmt: skip
+    resumed.fit(TinyAdamModel(), ckpt_path=str(path))
+    assert resumed.global_step == 4

@@ -1,0 +1,19 @@
+"""GPU tests only: a stop by ``scripts/gpu_check.sh``'s time limit (SIGINT) that lands inside an in-process
+``Trainer.fit`` is caught by Lightning, which shuts the fit down and raises ``SystemExit`` from its
+``KeyboardInterrupt`` handler. pytest would record one failure and go on until the SIGKILL 20 s later, losing its
+summary and JUnit file; after such a test the session stops instead, with both written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    err = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt):
+        item.session.shouldstop = "interrupted inside a Lightning fit (scripts/gpu_check.sh's time limit?)"
+    return report
