@@ -5,15 +5,16 @@ summary and JUnit file; after such a test the session stops instead, with both w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    report = yield
+# An old-style wrapper: the GPU machine's pytest may predate pytest 8's ``wrapper=True``.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    yield
     err = call.excinfo.value if call.excinfo is not None else None
     if isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt):
         item.session.shouldstop = "interrupted inside a Lightning fit (scripts/gpu_check.sh's time limit?)"
-    return report
