@@ -29,10 +29,7 @@ def is_logging_step(trainer: pl.Trainer) -> bool:
     return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
 
 
-def log_on_logging_steps(trainer: pl.Trainer, values: dict[str, float]) -> bool:
-    """Write ``values`` to the trainer's loggers if :func:`is_logging_step`, at the step number Lightning's own step
-    logs use; returns whether it did."""
-    if not is_logging_step(trainer):
-        return False
+def write_step_values(trainer: pl.Trainer, values: dict[str, float]) -> None:
+    """Write ``values`` to the trainer's loggers at the step number Lightning's own step logs use. Call it on a step
+    where :func:`is_logging_step` (the callers build their values only then)."""
     trainer._logger_connector.log_metrics(values)  # type: ignore[arg-type]
-    return True

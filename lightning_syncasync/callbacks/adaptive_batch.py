@@ -50,7 +50,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
-from lightning_syncasync.callbacks._step_log import is_logging_step, log_on_logging_steps
+from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,7 @@ class AdaptiveBatchSize(Callback):
                 values[f"{prefix}adascale_gain"] = self._probe.gain
                 if self.noise.noise_scale is not None:
                     values[f"{prefix}noise_scale"] = self.noise.noise_scale
-            log_on_logging_steps(trainer, values)
+            write_step_values(trainer, values)
         if self.adapt and self._batches % self.interval == 0 and trainer.world_size > 1:
             self._rebalance(trainer, pl_module)
 

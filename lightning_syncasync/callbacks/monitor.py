@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
-from lightning_syncasync.callbacks._step_log import is_logging_step, log_on_logging_steps
+from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 
 # The aggregates fed by every step, in the order _accumulate buffers them (the first fields of _FIELDS).
 _AGG_ORDER = ("steps", "samples", "wall_s", "compute_s", "wait_s", "bytes_intra", "bytes_inter", "staleness_mean",
@@ -233,7 +233,7 @@ class SyncMonitor(Callback):
             f"{p}staleness_max": stats.staleness_max,
             f"{p}clock_gap": stats.clock_gap,
         }
-        log_on_logging_steps(trainer, values)
+        write_step_values(trainer, values)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms.switch_policy import MODES, SwitchPolicy, WindowStats
 from lightning_syncasync.callbacks._stats_source import gather_rows
-from lightning_syncasync.callbacks._step_log import is_logging_step, log_on_logging_steps
+from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy, ModeUnavailableError
@@ -147,7 +147,7 @@ class SyncSwitcher(Callback):
         # Straight to the loggers on Lightning's logging steps only: `self.log` costs host time every step
         # (callbacks/_step_log.py says how much).
         if is_logging_step(trainer):
-            log_on_logging_steps(trainer, {"syncasync/mode_id": float(MODES.index(trainer.strategy.mode))})  # type: ignore[attr-defined]
+            write_step_values(trainer, {"syncasync/mode_id": float(MODES.index(trainer.strategy.mode))})  # type: ignore[attr-defined]
 
     @override
     def on_train_batch_start(

@@ -181,11 +181,13 @@ class AutoSyncStrategy(
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.switcher and self.lightning_module is not None and self.world_size == 1:
+        if not self.switcher or self.lightning_module is None:
+            return
+        if self.world_size == 1:
             # Nothing to switch between at one rank (every mode trains the one replica alone), and the switcher's
             # SyncMonitor would cost host time every step.
             log.info("auto_sync: one rank, so no SyncSwitcher is added (there is no communication to judge)")
-        elif self.switcher and self.lightning_module is not None:
+        else:
             from lightning_syncasync.callbacks.switcher import SyncSwitcher  # callbacks sit above strategies
 
             trainer = self.lightning_module.trainer

@@ -139,16 +139,21 @@ def _failing_compile(fn, **kwargs):
     return compiled
 
 
+def _under_auto_and_eager(monkeypatch, x: torch.Tensor) -> tuple[Compressor, tuple, tuple]:
+    """``x`` encoded by a ``codec="auto"`` compressor that takes the compiled path (as on CUDA) until the process
+    drops it, and by an eager one: ``(the auto compressor, its codes, the eager codes)``."""
+    auto = Compressor("int8", codec="auto")
+    monkeypatch.setattr(auto.kernels, "mode", lambda device: "eager" if Kernels._broken else "compiled")
+    return auto, auto._encode(x), Compressor("int8", codec="eager")._encode(x)
+
+
 def test_a_compiler_failure_raises_with_a_hint_under_compiled_and_falls_back_under_auto(monkeypatch, fresh_kernels):
     monkeypatch.setattr(_codec.torch, "compile", _failing_compile)
     x = torch.randn(600)
     with pytest.raises(RuntimeError, match="codec='compiled' could not compile encode.*no compiler here.*HINT"):
         Compressor("int8", codec="compiled")._encode(x)
     # Under "auto" a failing compiler costs speed, not the run: the eager codes, a warning, and no second try.
-    auto = Compressor("int8", codec="auto")
-    expected = Compressor("int8", codec="eager")._encode(x)
-    monkeypatch.setattr(auto.kernels, "mode", lambda device: "eager" if Kernels._broken else "compiled")
-    got = auto._encode(x)
+    auto, got, expected = _under_auto_and_eager(monkeypatch, x)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert "no compiler here" in (Kernels._broken or "")
     assert auto.kernels.mode(x.device) == "eager"
@@ -176,10 +181,7 @@ def test_a_compiled_codec_that_disagrees_with_eager_is_refused_or_dropped(monkey
     x = torch.randn(3000)
     with pytest.raises(RuntimeError, match="disagreed with the eager one: 100 of 3000 elements of output 1.*HINT"):
         Compressor("int8", codec="compiled")._encode(x)
-    auto = Compressor("int8", codec="auto")
-    monkeypatch.setattr(auto.kernels, "mode", lambda device: "eager" if Kernels._broken else "compiled")
-    expected = Compressor("int8", codec="eager")._encode(x)
-    got = auto._encode(x)
+    _, got, expected = _under_auto_and_eager(monkeypatch, x)
     assert torch.equal(got[1], expected[1]) and "disagreed" in (Kernels._broken or "")
 
 
