@@ -64,6 +64,10 @@ depends only on agreed values, so no rank of a node calls one more than the othe
 Buffers (BatchNorm statistics) are not exchanged between cuts (each rank keeps its own, as in ``SSPExchange``).
 A round that does not complete within ``timeout_s`` raises
 :class:`~lightning_syncasync.algorithms.averaging.PeerLostError` naming the peers.
+
+One learner (``group`` of one rank: a one-device trial run): every round, the bound and the outer step run as on a
+cluster, but a round's exchange is done on the calling thread with no collective (an all-reduce over one rank is the
+identity), exact (compression is for bytes that are never sent here).
 """
 
 from __future__ import annotations
@@ -387,7 +391,15 @@ class RoundExchange:
         index = self.launched
         self.launched += 1
         assert self._thread is not None
-        future = self._thread.submit(lambda: self._exchange(delta, meta))
+        if self.world == 1:
+            # One learner: the round's all-reduces are over a group of one, the identity. Done here, with no
+            # collective and no wake-up of the exchange thread: at one rank that wake-up (its turn at the GIL) cost
+            # more host time than the training step's own Python (scripts/host_overhead.py). The rounds, the bound
+            # and the outer step run as on a cluster; the round is exact, as DDP's unwrapped one-rank step is.
+            future: Future[tuple[torch.Tensor, torch.Tensor, int]] = Future()
+            future.set_result(self._alone(delta, meta))
+        else:
+            future = self._thread.submit(lambda: self._exchange(delta, meta))
         self._flight.append(_Round(index, delta, future, time.perf_counter()))
         if not gate:
             return
@@ -466,6 +478,18 @@ class RoundExchange:
             self._ends.pop(old)
             self._lengths.pop(old, None)
         return meta
+
+    def _alone(self, delta: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`_exchange` for a group of one, on the calling thread: exact (nothing to compress for), with what
+        compression held back (a checkpoint of more ranks) joining it; nothing sent."""
+        if _count(meta, 1, 0) == 1 and _count(meta, 1, 1) == 1:
+            return torch.zeros_like(delta), meta, 0  # clean cut: nothing to exchange
+        total = delta.clone()
+        if self.compressor is not None:
+            residual = self.compressor.pop_residual("round", total.numel(), self.group)
+            if residual is not None:
+                total += residual.to(total.device)
+        return total, meta, 0
 
     def _exchange(self, delta: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """On the exchange thread: the metadata, then the pseudo-gradients (exact when every rank flagged a cut)."""

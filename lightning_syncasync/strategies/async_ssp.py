@@ -33,6 +33,7 @@ What Lightning's collectives mean here, since ranks are at different steps durin
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -604,10 +605,13 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
     def wrapped() -> Any:
         loss = closure()
         value = loss.detach() if isinstance(loss, torch.Tensor) else None
-        if value is not None and value.is_cuda and rounds is not None:
-            rounds.note_finite(torch.isfinite(value).all())
+        if value is None:
             return loss
-        if value is not None and not bool(torch.isfinite(value).all()):
+        scalar = value.numel() == 1  # the usual loss: one kernel fewer on a GPU, no kernel on a CPU
+        if value.is_cuda and rounds is not None:
+            rounds.note_finite(torch.isfinite(value) if scalar else torch.isfinite(value).all())
+            return loss
+        if not (math.isfinite(value.item()) if scalar else bool(torch.isfinite(value).all())):
             where = f"round {rounds.launched}" if rounds is not None else "a step"
             raise DivergenceError(
                 f"rank {rank}: loss is {value.item()} in {where} under async training; stopped before this "

@@ -154,6 +154,40 @@ def _cut_and_go_on(rank: int, world: int, cut_at: int) -> dict:
     return {"w": w[0].clone()}
 
 
+def _one_learner(rank: int, world: int, compression: str, collective: bool) -> dict:
+    """Rounds at one rank, on a gradient that depends on the weights (so when a round lands changes the result)."""
+    w = [torch.linspace(-1.0, 2.0, 6)]
+    comp = Compressor(compression, seed=0) if compression != "none" else None
+    ex = RoundExchange(w, dist.new_group(), local_steps=3, staleness=1, dynamic=False,
+                       outer=OuterOptimizer("nesterov", lr=0.5, momentum=0.9), compressor=comp)  # fmt: skip
+    if collective:
+        ex._alone = ex._exchange  # type: ignore[method-assign]  # the cluster's arithmetic (its all-reduces, over one)
+    ex.start()
+    submitted = []
+    real_submit = ex._thread.submit  # type: ignore[union-attr]
+    ex._thread.submit = lambda fn: submitted.append(fn) or real_submit(fn)  # type: ignore[union-attr]
+    for _ in range(17):
+        with torch.no_grad():
+            w[0].sub_(0.3 * (w[0] - 0.5) ** 3)
+        ex.after_step()
+    ex.cut(stop=True)
+    return {"w": w[0].clone(), "delivered": ex.delivered, "thread_jobs": len(submitted)}
+
+
+@pytest.mark.timeout(60)
+def test_one_learner_runs_its_rounds_inline_with_the_same_arithmetic_and_no_compression():
+    (alone,) = run_distributed(_one_learner, 1, "none", False)
+    (cluster,) = run_distributed(_one_learner, 1, "none", True)
+    # The rounds ran (5 full rounds and the cut's) and the outer Nesterov step moved the replica, as on a cluster...
+    assert alone["delivered"] == cluster["delivered"] == 6
+    assert torch.equal(alone["w"], cluster["w"])
+    # ...with no job for the exchange thread: no wake-up of it per round (host time at one rank).
+    assert alone["thread_jobs"] == 0
+    # Compression at one rank would quantize a pseudo-gradient that is never sent: the round stays exact.
+    (int8,) = run_distributed(_one_learner, 1, "int8", False)
+    assert torch.equal(int8["w"], alone["w"])
+
+
 def _killed(rank: int, world: int) -> dict:
     w = [torch.zeros(3)]
     ex = RoundExchange(w, dist.new_group(timeout=timedelta(seconds=4)), local_steps=2, staleness=1, timeout_s=4)
