@@ -40,8 +40,9 @@ def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
 
 @pytest.mark.timeout(180)
 def test_async_rounds_over_a_gloo_exchange_under_an_nccl_job_keep_their_state_on_the_gpu(tmp_path):
-    # SYNCASYNC_EXCHANGE_BACKEND=gloo: the job stays NCCL, the group the rounds' thread uses is gloo, and its
-    # collectives go through CPU copies of the GPU tensors (_comm's staging); the state stays on the GPU.
+    # SYNCASYNC_EXCHANGE_BACKEND=gloo: the job stays NCCL, the group the rounds' thread uses is gloo, and the state
+    # stays on the GPU. (At one rank a round's exchange runs inline with no collective; the staging of GPU tensors
+    # through gloo that 2 ranks need runs in test_shared_gpu.py, whose job is gloo.)
     options = {"compression": "int8", "local_steps": 2, "dynamic_local_steps": False}
     env = {"SYNCASYNC_EXCHANGE_BACKEND": "gloo"}
     (rank,) = run_ranks(tmp_path, "async_ssp", ACCELERATOR, options, steps=10, ranks=1, env=env)
