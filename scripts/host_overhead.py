@@ -57,7 +57,11 @@ class Tiny(L.LightningModule):
 
 
 def ms_per_step(name: str, warmup: int, steps: int) -> float:
-    """Milliseconds per step of one fit of :class:`Tiny` after ``warmup`` steps (``bench.gpu``'s timed fit)."""
+    """Milliseconds per step of one fit of :class:`Tiny` after ``warmup`` steps (``bench.gpu``'s timed fit).
+
+    This machine's own speed drifts: on the project's 2-core VM, 200-step windows of one plain fit took 1.05-2.6 ms
+    per step, as much in the thread's CPU time as in wall time, in spells of seconds. So the contenders are
+    interleaved, fit by fit, over many short rounds, and each one's figure is its median fit."""
     rate, _ = fit_steps_per_s(name, torch.device("cpu"), warmup, steps, seed=0, verbose=False,
                               fit=lambda trainer: trainer.fit(Tiny()))  # fmt: skip
     return 1000.0 / rate
@@ -78,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table([json.loads(Path(f).read_text()) for f in args.table]))
         return 0
     import lightning_syncasync  # noqa: F401  (registers the strategy names)
+
+    # One intra-op thread: the model is too small to split, and torch's idle OpenMP worker spun at 100% of the other
+    # core of the 2-core VM (top -H), which the fits then competed with.
+    torch.set_num_threads(1)
 
     names = args.contenders.split(",") if args.contenders else [MONITORED, *default_strategies()]
     contenders = [BASELINE, *[n for n in names if n != BASELINE]]
