@@ -5,16 +5,21 @@ callbacks, then on the LightningModule, and only then on the strategy. A strateg
 of their own and merged them in its own ``on_train_end`` left every user hook there (saving, exporting or checking the
 final model) with this rank's replica. The last step is known only once it has run (``max_steps``, ``max_epochs``,
 ``should_stop`` from early stopping or a batch budget), and no strategy hook runs between it and the callbacks'
-``on_train_end``; so the strategy puts a private callback first in ``trainer.callbacks`` whose ``on_train_end``
-merges.
+``on_train_end``; so the strategy wraps that one call: for the fit, the fit loop's ``on_run_end`` merges first, then
+runs Lightning's.
+
+A wrapper rather than a callback of the strategy's own at the head of ``trainer.callbacks`` (the first design):
+Lightning calls every hook of every callback at every step, about six per step (``_call_callback_hooks``, each in a
+profiler context), and that dispatch was most of what the DDP-based strategies added to a one-rank step's host time
+(``scripts/host_overhead.py``). The loop's ``on_run_end`` runs once per fit.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
-from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from typing_extensions import override
 
 
 class MergesBeforeUserHooks:
@@ -27,7 +32,7 @@ class MergesBeforeUserHooks:
     """
 
     _replicas_merged: bool = False
-    _merge_hook: tuple[pl.Trainer, Callback] | None = None
+    _merge_loop: Any = None  # the fit loop wrapped for this fit
 
     def _merge_replicas(self) -> None:
         """Make every rank hold the one final model (the strategy's consistent cut)."""
@@ -45,40 +50,34 @@ class MergesBeforeUserHooks:
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
         self._replicas_merged = False
-        callbacks = _callbacks(trainer)
-        # One left behind by a fit that never reached teardown would otherwise run beside the new one.
-        callbacks[:] = [c for c in callbacks if not isinstance(c, _MergeReplicasFirst)]
+        loop = trainer.fit_loop
+        _unwrap(loop)  # one left behind by a fit that never reached teardown would merge through a stale strategy
         if trainer.state.fn == TrainerFn.FITTING:
-            # strategy.setup runs in the worker process (spawn never pickles the callback), after the callbacks'
-            # setup and after Lightning's _reorder_callbacks (at the start of each fit): position 0 stays first.
-            hook = _MergeReplicasFirst()
-            callbacks.insert(0, hook)
-            self._merge_hook = (trainer, hook)
+            # strategy.setup runs in the worker process (spawn never pickles the loop's wrapper), before the fit loop.
+            run_end = loop.on_run_end
+
+            def merged_first() -> None:
+                self._merge_once()
+                run_end()
+
+            merged_first._syncasync_merge = True  # type: ignore[attr-defined]  # what _unwrap looks for
+            merged_first.__wrapped__ = run_end  # type: ignore[attr-defined]  # functools' name for what it wraps
+            loop.on_run_end = merged_first  # type: ignore[method-assign]  # this instance only; teardown undoes it
+            self._merge_loop = loop
 
     def on_train_end(self) -> None:
         self._merge_once()
         super().on_train_end()  # type: ignore[misc]
 
     def teardown(self) -> None:
-        # Out of the list again, so that a Trainer reused for another fit does not run two.
-        if self._merge_hook is not None:
-            trainer, hook = self._merge_hook
-            self._merge_hook = None
-            callbacks = _callbacks(trainer)
-            if hook in callbacks:
-                callbacks.remove(hook)
+        # Unwrapped again, so that a Trainer reused with another strategy runs no merge of this one.
+        if self._merge_loop is not None:
+            _unwrap(self._merge_loop)
+            self._merge_loop = None
         super().teardown()  # type: ignore[misc]
 
 
-class _MergeReplicasFirst(Callback):
-    """Calls the strategy's final merge from the first callback's ``on_train_end``. It has no state, so it puts
-    nothing in checkpoints (Lightning saves only non-empty callback states) and resuming never looks for it."""
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if isinstance(trainer.strategy, MergesBeforeUserHooks):
-            trainer.strategy._merge_once()
-
-
-def _callbacks(trainer: pl.Trainer) -> list[Callback]:
-    return trainer.callbacks  # type: ignore[attr-defined,no-any-return]  # set by Lightning's callback connector
+def _unwrap(loop: Any) -> None:
+    """Take a merge wrapper off ``loop`` (the loop's own ``on_run_end`` shows again)."""
+    if getattr(loop.__dict__.get("on_run_end"), "_syncasync_merge", False):
+        del loop.on_run_end

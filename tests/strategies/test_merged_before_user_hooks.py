@@ -17,7 +17,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lightning_syncasync.strategies._merge import _MergeReplicasFirst
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
@@ -125,18 +124,21 @@ def test_ddp_control(tmp_path):
 
 
 class RecordMergeHooks(Callback):
-    """How many of the strategy's merge callbacks the Trainer holds when training starts, and which comes first."""
+    """At train start: whether the fit loop's ``on_run_end`` is the strategy's merge wrapper around the loop's own
+    method (one wrapper, not a wrapper of a wrapper), and which callbacks the Trainer holds."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[int, bool]] = []
+        self.seen: list[tuple[bool, bool, list[str]]] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        hooks = [c for c in trainer.callbacks if isinstance(c, _MergeReplicasFirst)]
-        self.seen.append((len(hooks), trainer.callbacks[0] is hooks[0]))
+        wrapper = trainer.fit_loop.__dict__.get("on_run_end")
+        wrapped_once = getattr(wrapper.__wrapped__, "__func__", None) is type(trainer.fit_loop).on_run_end
+        names = [type(c).__name__ for c in trainer.callbacks]
+        self.seen.append((getattr(wrapper, "_syncasync_merge", False), wrapped_once, names))
 
 
 @pytest.mark.timeout(120)
-def test_a_reused_trainer_holds_one_merge_callback_per_fit_and_none_after(tmp_path):
+def test_a_reused_trainer_wraps_the_fit_loop_once_per_fit_and_not_after(tmp_path):
     # One process (Lightning runs it in this one): the Trainer object that fit the model is the one reused.
     record = RecordMergeHooks()
     trainer = Trainer(
@@ -144,8 +146,9 @@ def test_a_reused_trainer_holds_one_merge_callback_per_fit_and_none_after(tmp_pa
         callbacks=[record], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(BatchNormModel())
-    assert not any(isinstance(c, _MergeReplicasFirst) for c in trainer.callbacks)
+    assert "on_run_end" not in trainer.fit_loop.__dict__
     trainer.fit_loop.epoch_loop.max_steps = 4  # the first fit used up max_steps=2
     trainer.fit(BatchNormModel())
-    assert record.seen == [(1, True), (1, True)]
-    assert not any(isinstance(c, _MergeReplicasFirst) for c in trainer.callbacks)
+    # No callback of the strategy's: Lightning would dispatch each of its hooks at every step (host time).
+    assert record.seen == [(True, True, ["RecordMergeHooks"]), (True, True, ["RecordMergeHooks"])]
+    assert "on_run_end" not in trainer.fit_loop.__dict__
