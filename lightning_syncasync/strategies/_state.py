@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 class CheckpointedAlgorithm:
@@ -80,12 +82,43 @@ class SavesNodeOptimizers:
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
         per_node = checkpoint.get(NODE_OPTIMIZERS_KEY)
-        if per_node is None or self.topology is None:
+        if per_node is None:
             return
-        if len(per_node) != self.topology.num_nodes:
-            raise ValueError(
-                f"the checkpoint holds the optimizer states of {len(per_node)} node(s), this run has "
-                f"{self.topology.num_nodes}; HINT: resume on as many nodes (node_size/virtual_nodes as before)"
+        topo = self.topology
+        nodes = topo.num_nodes if topo is not None else 1
+        if len(per_node) == nodes:
+            states = per_node[topo.node_of(self.global_rank) if topo is not None else 0]
+        else:
+            # Another number of nodes (a lost node, a fine-tune on one machine). The saved model is the merged one
+            # (checkpoints are taken at a consistent cut), so every node starts from the merged optimizer state too.
+            states = [mean_optimizer_state([node[i] for node in per_node]) for i in range(len(per_node[0]))]
+            rank_zero_warn(
+                f"the checkpoint holds the optimizer states of {len(per_node)} nodes and this run has {nodes}: every "
+                "node starts from their mean (Adam's moments averaged, as the model was), so the run goes on, but "
+                "not step for step as an uninterrupted one would. HINT: resume on as many nodes (node_size or "
+                "virtual nodes as before) to continue the same trajectory"
             )
-        for optimizer, state in zip(self.optimizers, per_node[self.topology.node_of(self.global_rank)], strict=True):
+        for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(state)
+
+
+def mean_optimizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The element-wise mean of several replicas' ``optimizer.state_dict()`` (the same optimizer and parameters):
+    each floating-point tensor of a parameter's state is averaged where the replicas differ; everything else (step
+    counters, which agree, and ``param_groups``) is the first one's.
+
+    For the first moment (momentum, Adam's ``exp_avg``), linear in the gradients, the mean is what one optimizer
+    fed the mean of the replicas' gradients would hold; for Adam's ``exp_avg_sq`` it is at least the square of that
+    mean, so the first steps are, if anything, smaller than that optimizer's."""
+    first = states[0]
+    merged: dict[Any, dict[str, Any]] = {}
+    for key, entry in first["state"].items():
+        out = dict(entry)
+        for name, value in entry.items():
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                continue
+            others = [s["state"][key][name] for s in states[1:]]
+            if any(not torch.equal(value, o) for o in others):
+                out[name] = torch.stack([value, *[o.to(value.device) for o in others]]).mean(dim=0)
+        merged[key] = out
+    return {**first, "state": merged}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,63 @@ def test_auto_sync_in_hier_mode_resumes_every_nodes_optimizer_state(tmp_path):
     )
     checkpoint = _resume_at_step_4_matches(tmp_path, make, TinyAdamModel)
     assert len(checkpoint["hier_sync_node_optimizer_states"]) == 2
+
+
+class RecordOptimizerAtStart(Callback):
+    """Each rank writes its optimizer's state as training starts (after the checkpoint was restored), and the
+    warnings raised since setup (in the rank's own process: a forked rank's warnings never reach pytest's)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self._watch: warnings.catch_warnings | None = None
+        self._seen: list[warnings.WarningMessage] = []
+
+    def setup(self, trainer, pl_module, stage):
+        self._watch = warnings.catch_warnings(record=True)
+        self._seen = self._watch.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer, pl_module):
+        assert self._watch is not None
+        self._watch.__exit__(None, None, None)
+        state = trainer.optimizers[0].state_dict()
+        messages = [str(w.message) for w in self._seen]
+        record = {"state": state, "warnings": messages, "step": trainer.global_step}
+        torch.save(record, Path(self.out) / f"optimizer{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_two_nodes_resumes_on_one_from_the_mean_of_their_optimizer_states(tmp_path):
+    # A lost node, or a fine-tune on one machine: 2 nodes of 2 saved at a consistent cut, resumed as 1 node of 2.
+    # The saved model is the merged one; each node's Adam moments were their own, and the new node starts from their
+    # mean (it was refused before: "resume on as many nodes").
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _fit(tmp_path / "full", HierSyncStrategy(inter_period=2, max_delay=1, node_size=2, start_method="fork"), steps=4,
+         callbacks=[ckpt], model_cls=TinyAdamModel)  # fmt: skip
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    nodes = torch.load(path, weights_only=True)["hier_sync_node_optimizer_states"]
+    out = tmp_path / "resumed"
+    out.mkdir()
+    trainer = Trainer(
+        accelerator="cpu", devices=2, max_steps=6, logger=False, default_root_dir=out,
+        strategy=HierSyncStrategy(inter_period=2, max_delay=1, node_size=2, start_method="fork"),
+        callbacks=[RecordOptimizerAtStart(str(out))], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(TinyAdamModel(), ckpt_path=str(path))
+    for rank in range(2):
+        record = torch.load(out / f"optimizer{rank}.pt", weights_only=True)
+        assert record["step"] == 4  # resumed from the checkpoint (it was refused before)
+        if rank == 0:  # rank_zero_warn
+            assert any("optimizer states of 2 nodes and this run has 1: every node starts from their mean" in m
+                       for m in record["warnings"]), record["warnings"]  # fmt: skip
+        got = record["state"]["state"]
+        for key, entry in got.items():
+            saved = [node[0]["state"][key] for node in nodes]
+            assert not torch.equal(saved[0]["exp_avg"], saved[1]["exp_avg"])  # the nodes' moments had parted
+            for name in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(entry[name], (saved[0][name] + saved[1][name]) / 2)
+            assert torch.equal(entry["step"], saved[0]["step"])
 
 
 @pytest.mark.timeout(200)
