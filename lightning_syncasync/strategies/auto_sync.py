@@ -195,6 +195,23 @@ class AutoSyncStrategy(
                 trainer.callbacks.append(SyncSwitcher())
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.switcher and self.world_size == 1 and self.lightning_module is not None:
+            # A checkpoint of more ranks holds the state of the SyncSwitcher this strategy added there (and of the
+            # AdaptiveBatchSize the switcher added). At one rank neither is added, and Lightning would tell the user
+            # to add them ("callbacks used to create the checkpoint need to be provided"): their state is dropped
+            # instead, unless the user passed such a callback, which then gets it.
+            have = {c.state_key for c in self.lightning_module.trainer.callbacks}
+            states = checkpoint.get("callbacks", {})
+            dropped = [k for k in ("SyncSwitcher", "AdaptiveBatchSize") if k in states and k not in have]
+            for key in dropped:
+                del states[key]
+            if dropped:
+                log.info("auto_sync: one rank, so the checkpoint's %s state is not used", " and ".join(dropped))
+        return checkpoint
+
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         topo = Topology.from_cluster(self.world_size, self.num_nodes, self.node_size)

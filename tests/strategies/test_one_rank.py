@@ -126,3 +126,29 @@ def test_a_checkpoint_with_residuals_of_more_ranks_resumes_at_one_rank(tmp_path)
                       enable_model_summary=False)  # fmt: skip
     resumed.fit(TinyAdamModel(), ckpt_path=str(path))
     assert resumed.global_step == 4
+
+
+@pytest.mark.timeout(180)
+def test_auto_sync_resumes_a_two_rank_checkpoint_at_one_rank_without_asking_for_the_callbacks_it_added(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
+
+    def checkpoints() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+
+    # At two ranks auto_sync adds a SyncSwitcher, which adds AdaptiveBatchSize: both save state.
+    Trainer(accelerator="cpu", devices=2, strategy=AutoSyncStrategy(start_method="fork"), max_steps=2, logger=False,
+            default_root_dir=tmp_path, callbacks=[checkpoints()], enable_progress_bar=False,
+            enable_model_summary=False).fit(TinyAdamModel())  # fmt: skip
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert {"SyncSwitcher", "AdaptiveBatchSize"} <= set(torch.load(path, weights_only=False)["callbacks"])
+    resumed = Trainer(accelerator="cpu", devices=1, strategy=AutoSyncStrategy(), max_steps=4, logger=False,
+                      default_root_dir=tmp_path, callbacks=[checkpoints()], enable_progress_bar=False,
+                      enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resumed.fit(TinyAdamModel(), ckpt_path=str(path))
+    assert resumed.global_step == 4
+    asked = [str(w.message) for w in said if "callbacks used to create the checkpoint" in str(w.message)]
+    assert not asked, asked  # Lightning asked the user to add the SyncSwitcher and AdaptiveBatchSize before
