@@ -94,9 +94,9 @@ class SavesNodeOptimizers:
             states = [mean_optimizer_state([node[i] for node in per_node]) for i in range(len(per_node[0]))]
             rank_zero_warn(
                 f"the checkpoint holds the optimizer states of {len(per_node)} nodes and this run has {nodes}: every "
-                "node starts from their mean (Adam's moments averaged, as the model was), so the run goes on, but "
-                "not step for step as an uninterrupted one would. HINT: resume on as many nodes (node_size or "
-                "virtual nodes as before) to continue the same trajectory"
+                "node starts from their mean (the saved model is their merged one too), so the run goes on, but not "
+                "step for step as an uninterrupted one would. HINT: resume on as many nodes (node_size or virtual "
+                "nodes as before) to continue the same trajectory"
             )
         for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(state)
@@ -117,7 +117,8 @@ def mean_optimizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
         for name, value in entry.items():
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                 continue
-            others = [s["state"][key][name] for s in states[1:]]
+            # A replica that holds no state for this parameter (it never stepped it) has nothing to add.
+            others = [o for s in states[1:] if (o := s["state"].get(key, {}).get(name)) is not None]
             if any(not torch.equal(value, o) for o in others):
                 out[name] = torch.stack([value, *[o.to(value.device) for o in others]]).mean(dim=0)
         merged[key] = out

@@ -45,3 +45,10 @@ def test_the_inputs_are_left_as_they_were():
     before = a["state"][0]["exp_avg"].clone()
     mean_optimizer_state([a, b])
     assert torch.equal(a["state"][0]["exp_avg"], before)
+
+
+def test_a_replica_without_state_for_a_parameter_adds_nothing_to_its_mean():
+    a, b = _stepped([1.0]).state_dict(), _stepped([3.0]).state_dict()
+    c = {**b, "state": {}}  # a replica that never stepped the parameter
+    merged = mean_optimizer_state([a, b, c])
+    torch.testing.assert_close(merged["state"][0]["exp_avg"], (a["state"][0]["exp_avg"] + b["state"][0]["exp_avg"]) / 2)
