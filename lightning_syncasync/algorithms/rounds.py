@@ -226,6 +226,11 @@ class RoundExchange:
         self._clean = True  # nothing changed on this rank since the last cut (the replicas start equal)
         self._finite: torch.Tensor | None = None  # note_finite's flags of the current round, folded on the device
         self.peers = [r for r in self.global_ranks if r != dist.get_rank()]
+        # One learner: a round's exchange runs on the calling thread, with no collective and no wake-up of the
+        # exchange thread: that wake-up (the thread's turn at the GIL) was about 0.09 ms of the 0.25 ms per step
+        # async_ssp added at one rank (scripts/host_overhead.py, docs/gpu.md). The rounds, the bound and the outer
+        # step run as on a cluster.
+        self._inline = self.world == 1
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -391,13 +396,9 @@ class RoundExchange:
         index = self.launched
         self.launched += 1
         assert self._thread is not None
-        if self.world == 1:
-            # One learner: the round's all-reduces are over a group of one, the identity. Done here, with no
-            # collective and no wake-up of the exchange thread: that wake-up (the thread's turn at the GIL) was about
-            # 0.09 ms of the 0.25 ms per step async_ssp added at one rank (scripts/host_overhead.py, docs/gpu.md).
-            # The rounds, the bound and the outer step run as on a cluster; the round is exact (nothing is sent).
+        if self._inline:
             future: Future[tuple[torch.Tensor, torch.Tensor, int]] = Future()
-            future.set_result(self._alone(delta, meta))
+            future.set_result(self._exchange(delta, meta))
         else:
             future = self._thread.submit(lambda: self._exchange(delta, meta))
         self._flight.append(_Round(index, delta, future, time.perf_counter()))
@@ -479,32 +480,26 @@ class RoundExchange:
             self._lengths.pop(old, None)
         return meta
 
-    def _alone(self, delta: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """:meth:`_exchange` for a group of one, on the calling thread: exact (nothing to compress for), with what
-        compression held back (a checkpoint of more ranks) joining it; nothing sent."""
-        if _count(meta, 1, 0) == 1 and _count(meta, 1, 1) == 1:
-            return torch.zeros_like(delta), meta, 0  # clean cut: nothing to exchange
-        total = delta.clone()
-        if self.compressor is not None:
-            residual = self.compressor.pop_residual("round", total.numel(), self.group)
-            if residual is not None:
-                total += residual.to(total.device)
-        return total, meta, 0
-
     def _exchange(self, delta: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """On the exchange thread: the metadata, then the pseudo-gradients (exact when every rank flagged a cut)."""
-        all_reduce_(meta, self.group)
-        nbytes = meta.numel() * meta.element_size()
+        """On the exchange thread: the metadata, then the pseudo-gradients (exact when every rank flagged a cut).
+        Inline for one learner: no collective (over one rank it is the identity) and exact (nothing is sent)."""
+        inline = self._inline
+        nbytes = 0
+        if not inline:
+            all_reduce_(meta, self.group)
+            nbytes += meta.numel() * meta.element_size()
         everyone_cut = _count(meta, self.world, 0) == self.world
         if everyone_cut and _count(meta, self.world, 1) == self.world:
             return torch.zeros_like(delta), meta, nbytes  # every rank clean (cut()): nothing to exchange
-        if self.compressor is None or everyone_cut:
+        if self.compressor is None or everyone_cut or inline:
             total = delta.clone()
             if self.compressor is not None:
                 # Everything compression held back (own and server residuals) joins the exact round.
                 residual = self.compressor.pop_residual("round", total.numel(), self.group)
                 if residual is not None:
                     total += residual.to(total.device)  # restored from a checkpoint: maybe on the CPU
+            if inline:
+                return total, meta, nbytes
             all_reduce_(total, self.group)
             nbytes += total.numel() * total.element_size()
             return total / self.world, meta, nbytes

@@ -160,8 +160,7 @@ def _one_learner(rank: int, world: int, compression: str, collective: bool) -> d
     comp = Compressor(compression, seed=0) if compression != "none" else None
     ex = RoundExchange(w, dist.new_group(), local_steps=3, staleness=1, dynamic=False,
                        outer=OuterOptimizer("nesterov", lr=0.5, momentum=0.9), compressor=comp)  # fmt: skip
-    if collective:
-        ex._alone = ex._exchange  # type: ignore[method-assign]  # the cluster's arithmetic (its all-reduces, over one)
+    ex._inline = not collective  # collective: the cluster's path (the thread, its all-reduces over one rank)
     ex.start()
     submitted = []
     real_submit = ex._thread.submit  # type: ignore[union-attr]
@@ -182,7 +181,7 @@ def test_one_learner_runs_its_rounds_inline_with_the_same_arithmetic_and_no_comp
     assert alone["delivered"] == cluster["delivered"] == 6
     assert torch.equal(alone["w"], cluster["w"])
     # ...with no job for the exchange thread: no wake-up of it per round (host time at one rank).
-    assert alone["thread_jobs"] == 0
+    assert alone["thread_jobs"] == 0 and cluster["thread_jobs"] == 6
     # Compression at one rank would quantize a pseudo-gradient that is never sent: the round stays exact.
     (int8,) = run_distributed(_one_learner, 1, "int8", False)
     assert torch.equal(int8["w"], alone["w"])
