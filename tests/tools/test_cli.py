@@ -11,6 +11,7 @@ import yaml
 from _commands import CommandFailed, run_cli
 
 from lightning_syncasync.cli import build_cli
+from lightning_syncasync.strategies import pack_strategy_names
 
 CLI = [sys.executable, "-m", "lightning_syncasync.cli"]
 
@@ -108,7 +109,12 @@ def test_bad_input_is_rejected_with_the_setting_named(args, message):
 @pytest.mark.parametrize(
     ("strategy_args", "modes"),
     [
-        (["--trainer.strategy=hier_sync_spawn"], ("hier",)),
+        pytest.param(
+            ["--trainer.strategy=hier_sync_spawn"],
+            ("hier",),
+            # The default run builds every name's strategy in process (below) and fits examples/cli_config.yaml.
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             [
                 "--trainer.strategy=lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
@@ -147,6 +153,26 @@ def test_our_strategies_from_the_command_line(tmp_path, strategy_args, modes):
 
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["ranks"][0]["steps"] == 6 and summary["mode"] in modes
+
+
+@pytest.mark.parametrize("name", pack_strategy_names())
+def test_every_strategy_name_of_ours_builds_its_strategy_from_the_command_line(name):
+    """What the CLI adds to a name is its resolution (``--trainer.strategy=hier_sync``): each name builds its
+    registered class with the entry's init params. A fit by name starts processes (about 20 s on 2 cores), so it runs
+    with ``-m slow``; the default run fits examples/cli_config.yaml."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    cli = build_cli(
+        args=[f"--trainer.strategy={name}", "--trainer.logger=false", "--trainer.enable_checkpointing=false"],
+        run=False,
+    )
+    entry = StrategyRegistry[name]
+    assert type(cli.trainer.strategy) is entry["strategy"]
+    strategy = cli.trainer.strategy
+    for key, value in entry["init_params"].items():  # start_method is Lightning's _start_method
+        held = [getattr(strategy, attr) for attr in (key, f"_{key}") if hasattr(strategy, attr)]
+        assert held and held[0] == value, (key, held)
+    assert cli.trainer.world_size == 2
 
 
 @pytest.mark.timeout(120)

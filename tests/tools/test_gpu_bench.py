@@ -17,8 +17,10 @@ from _commands import CommandFailed, run_main
 
 from lightning_syncasync.bench.gpu import (
     BASELINE,
+    DATA_KWARGS,
     DEFAULT_METHODS,
     EXCLUDED_AT_WORLD_SIZE_1,
+    MODEL_KWARGS,
     MONITORED,
     TARGET_INT8,
     TARGET_STRATEGIES,
@@ -45,8 +47,22 @@ def _positive(x: object) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+@pytest.fixture
+def tiny_demo(monkeypatch):
+    """The transformer demo at a size a CPU trains in milliseconds a step: these tests check the plumbing, and the
+    check's 3 M-parameter default took most of their 30 s on 2 cores. The summary's settings record the size used."""
+    tiny = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16}
+    for key, value in tiny.items():
+        monkeypatch.setitem(MODEL_KWARGS, key, value)
+    monkeypatch.setitem(DATA_KWARGS, "seq_len", tiny["seq_len"])
+    monkeypatch.setitem(DATA_KWARGS, "batch_size", 8)
+    # The corpus is cut short too (the demo builds it from every pydoc page by default).
+    monkeypatch.setitem(DATA_KWARGS, "max_chars", 200_000)
+    return tiny
+
+
 @pytest.mark.timeout(180)
-def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
+def test_cpu_smoke_run_writes_a_sane_summary(tmp_path, tiny_demo):
     out = tmp_path / "sub" / "gpu_check.json"
     junit = tmp_path / "gpu_tests.xml"
     junit.write_text(JUNIT)
@@ -61,6 +77,7 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
     assert dev["kind"] == "cpu" and dev["torch"] == torch.__version__ and dev["hostname"]
     assert datetime.datetime.fromisoformat(dev["date_utc"]).tzinfo is not None
     assert summary["settings"]["strategies"] == ["hier_sync"] and summary["settings"]["numel"] == 100_000
+    assert summary["settings"]["model"]["d_model"] == tiny_demo["d_model"]  # the size the fits had, recorded
 
     assert _positive(summary["bandwidth_gbps"]) and summary["bandwidth"]["bytes_copied"] == 4 * 100_000 * 4
     # int8 twice: with the CPU's default codec (eager) and fused, the comparison the GPU run shows the other way.
@@ -100,7 +117,7 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_every_fit_is_kept_as_it_ends_so_a_stopped_check_loses_no_figure():
+def test_every_fit_is_kept_as_it_ends_so_a_stopped_check_loses_no_figure(tiny_demo):
     import copy
 
     args = build_parser().parse_args(["--steps", "3", "--warmup-steps", "2", "--rounds", "1"])
