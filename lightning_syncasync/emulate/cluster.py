@@ -7,7 +7,8 @@ the world size. With network namespaces each rank runs inside its node's namespa
 to the node's interface; with cgroups each rank gets a fixed CPU share. Nothing in the strategies knows it is
 emulated: the only package-specific variables are the straggler specs that ``StragglerEmulator`` reads.
 
-Failure handling: when a rank exits non-zero, the others get ``grace_s`` seconds and are then killed; Ctrl-C and
+Failure handling: when a rank exits non-zero, the others get ``grace_s`` seconds and are then killed (at once when
+every rank left is stopped by a signal, as a hung rank of ``--fault stop`` is: it cannot end by itself); Ctrl-C and
 SIGTERM kill every rank. In all cases namespaces, links and cgroups are removed before :meth:`EmulatedCluster.run`
 returns (or re-raises).
 """
@@ -363,6 +364,11 @@ class EmulatedCluster:
                     )
             elif time.monotonic() - failed_at > self.grace_s:
                 return
+            elif all(_stopped(p.pid) for p, c in zip(self.procs, codes) if c is None):
+                # Only stopped ranks are left: nothing can end them but the clean-up, so the grace (there for
+                # ranks still reporting their error) has nothing left to wait for.
+                log.info("every rank left is stopped (SIGSTOP): stopping them now")
+                return
             if deadline is not None and time.monotonic() > deadline:
                 report.interrupted = True
                 log.error("timeout after %.0fs: stopping all ranks", timeout_s)
@@ -388,6 +394,17 @@ class EmulatedCluster:
                 except ProcessLookupError:
                     pass
                 p.wait()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state ``T`` in ``/proc/PID/stat``; ``t``, traced, is a debugger's
+    and is left alone). False where it cannot be read (gone, no procfs): then the grace applies as usual."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may itself hold spaces or parentheses.
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "T"
 
 
 def _tee(src: IO[bytes], dst: IO[bytes]) -> None:

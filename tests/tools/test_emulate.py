@@ -165,6 +165,25 @@ def test_no_netns_mode_uses_loopback(tmp_path):
     assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and {e["GLOO_SOCKET_IFNAME"] for e in envs} == {None}
 
 
+@pytest.mark.timeout(60)
+def test_when_only_stopped_ranks_are_left_they_are_ended_without_waiting_out_the_grace(tmp_path):
+    # Rank 1 stops itself (a hung rank: SIGSTOP), rank 0 then fails; rank 2 fails a little later, within the grace.
+    script = (
+        'case "$RANK" in 1) kill -STOP $$; echo continued ;; 0) sleep 0.5; exit 3 ;; *) sleep 1.5; exit 4 ;; esac'
+    )
+    cluster = EmulatedCluster(nodes=3, procs_per_node=1, netns=False, cgroups=False, log_dir=tmp_path,
+                              grace_s=30.0, echo_rank0=False)  # fmt: skip
+    start = time.monotonic()
+    report = cluster.run(["sh", "-c", script], timeout_s=50)
+    took = time.monotonic() - start
+    # Rank 2 still had its grace and ended by itself; rank 1 was ended by the clean-up (SIGTERM after SIGCONT: its
+    # shell does not run the echo), well before the 30 s grace ran out.
+    assert report.exit_codes == [3, -signal.SIGTERM, 4], report.exit_codes
+    assert report.failed_rank == 0 and not report.interrupted
+    assert took < 15, took
+    assert "continued" not in (tmp_path / "rank1.log").read_text()
+
+
 def test_independent_mode_gives_every_rank_a_world_of_one(tmp_path):
     cluster = EmulatedCluster(nodes=2, procs_per_node=2, netns=False, cgroups=False, independent=True,
                               schedule="3:2@0.3-0.6", log_dir=tmp_path, echo_rank0=False)  # fmt: skip
