@@ -82,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-dir", default=None, help="rank logs and emulation.json (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds the other ranks may run after one fails (none once only stopped ranks are left)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the other ranks may run after one fails (none once only stopped ranks are left)",
+    )
     p.add_argument(
         "--fault",
         default="",

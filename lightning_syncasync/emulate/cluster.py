@@ -364,7 +364,7 @@ class EmulatedCluster:
                     )
             elif time.monotonic() - failed_at > self.grace_s:
                 return
-            elif all(_stopped(p.pid) for p, c in zip(self.procs, codes) if c is None):
+            elif all(_stopped(p.pid) for p, c in zip(self.procs, codes, strict=True) if c is None):
                 # Only stopped ranks are left: nothing can end them but the clean-up, so the grace (there for
                 # ranks still reporting their error) has nothing left to wait for.
                 log.info("every rank left is stopped (SIGSTOP): stopping them now")
