@@ -168,9 +168,7 @@ def test_no_netns_mode_uses_loopback(tmp_path):
 @pytest.mark.timeout(60)
 def test_when_only_stopped_ranks_are_left_they_are_ended_without_waiting_out_the_grace(tmp_path):
     # Rank 1 stops itself (a hung rank: SIGSTOP), rank 0 then fails; rank 2 fails a little later, within the grace.
-    script = (
-        'case "$RANK" in 1) kill -STOP $$; echo continued ;; 0) sleep 0.5; exit 3 ;; *) sleep 1.5; exit 4 ;; esac'
-    )
+    script = 'case "$RANK" in 1) kill -STOP $$; echo continued ;; 0) sleep 0.5; exit 3 ;; *) sleep 1.5; exit 4 ;; esac'
     cluster = EmulatedCluster(nodes=3, procs_per_node=1, netns=False, cgroups=False, log_dir=tmp_path,
                               grace_s=30.0, echo_rank0=False)  # fmt: skip
     start = time.monotonic()
