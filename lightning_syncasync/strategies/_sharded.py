@@ -212,9 +212,14 @@ class ShardsInsideNodes:
             return checkpoint
         here = self._layout()
         if layout != here:
+            # Each rank's file holds state cut to its shards of this layout (its node's optimizer shards, an outer
+            # momentum, residuals), which another layout cannot take as they are; the weights can: a checkpoint is a
+            # consistent cut, so the folder holds the merged model.
             raise ValueError(
                 f"the checkpoint's shards are for {layout}, this run has {here}; HINT: resume on the same number of "
-                "ranks and nodes"
+                "ranks and nodes, or start a new fit from its weights: torch.distributed.checkpoint.format_utils."
+                "dcp_to_torch_save(CKPT_DIR, 'weights.pt'), then model.load_state_dict(torch.load('weights.pt')"
+                "['state_dict']) before fit, without ckpt_path (the optimizer and the step count start afresh)"
             )
         path = Path(self.broadcast(checkpoint_path)) / self.rank_state_file(self.global_rank)  # type: ignore[attr-defined]
         if not path.is_file():

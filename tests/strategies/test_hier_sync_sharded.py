@@ -38,6 +38,13 @@ class RecordFullParams(Callback):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
         self.steps.append(torch.cat([p.detach().reshape(-1) for p in full]))
 
+    def on_train_start(self, trainer, pl_module):
+        # The whole model the fit starts from (after a checkpoint's weights were loaded), by rank.
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
+        torch.save(
+            torch.cat([p.detach().reshape(-1) for p in full]), Path(self.out) / f"start_rank{trainer.global_rank}.pt"
+        )
+
     def on_train_end(self, trainer, pl_module):
         # After the strategy's final merge, which runs before any user hook: the model a user's on_train_end sees.
         final = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
@@ -122,6 +129,25 @@ def test_resume_from_a_distributed_checkpoint_is_exact(tmp_path):
     states = resume_at_step_4_matches(tmp_path, make, "syncasync_averager")
     momenta = [s["momentum"] for s in states]
     assert all(m is not None for m in momenta) and not torch.equal(momenta[0], momenta[1])  # per rank: its shard
+
+    # On another layout (one node of 4) the per-rank state does not fit: refused on every rank, with the way on ...
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    trainer = Trainer(
+        accelerator="cpu", devices=4, max_steps=6, logger=False, default_root_dir=tmp_path / "other",
+        strategy=ShardedHierSyncStrategy(virtual_nodes=1, start_method="fork"),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"shards are for \{'world_size': 4, 'node_size': 2\}.*dcp_to_torch_save"):
+        trainer.fit(ShardedTinyAdamModel(), ckpt_path=str(path))
+    # ... which the hint describes: the folder converts to the merged model, the weights the exact resume started
+    # from (its first step, from these weights, is the uninterrupted run's fifth).
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp_path / "weights.pt")
+    model = ShardedTinyAdamModel()
+    model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True)["state_dict"])
+    start = torch.load(tmp_path / "resumed" / "start_rank0.pt", weights_only=True)
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), start)
 
 
 def resume_at_step_4_matches(tmp_path: Path, make, state_prefix: str) -> list[dict]:
