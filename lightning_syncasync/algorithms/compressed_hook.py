@@ -179,6 +179,69 @@ class CompressedAllReduce:
             self._square_counts = {int(k): int(v) for k, v in state.get("square_counts", {}).items()}
             self._rms = {int(k): v.clone() for k, v in state.get("rms", {}).items()}
 
+    @staticmethod
+    def resized_state(states: list[dict[str, Any]], node_size: int | None) -> dict[str, Any]:
+        """The state for every rank of a run on another number of ranks, from each saved rank's :meth:`state_dict`
+        (in rank order). ``node_size``: the saved run's node size when it exchanged hierarchically, else ``None``.
+
+        Error feedback is a debt on the world's mean gradient: the saved ranks added ``1/W`` of the sum of their
+        residuals to it. Each saved rank's residuals, with its two-phase server residuals folded in as
+        :meth:`_fold_unused` does, are averaged over the saved ranks, and every rank of the new run takes that mean:
+        its mean over any number of ranks is the same debt, so nothing compression held back is dropped. What is the
+        same on every rank (the step counter, PowerSGD's factors, the warm-up's RMS) comes from rank 0.
+        """
+        if not states:
+            raise ValueError("resized_state needs the state of at least one saved rank")
+        world = len(states)
+        k = node_size or 1
+        if world % k:
+            raise ValueError(f"node_size {node_size} does not divide the {world} saved ranks")
+        # The exchange group whose server residuals were kept: every rank (flat), or the ranks with this local rank
+        # on every node (hierarchical; node-major ranks: rank r is local rank r % k of node r // k).
+        group_world = world // k
+        total: dict[int, torch.Tensor] = {}
+        for r, state in enumerate(states):
+            if state["compressor"].get("residuals") or state.get("warmup", {}).get("residuals"):
+                # Unreachable: the hook keeps error feedback per parameter and calls its compressors without any.
+                raise ValueError(f"saved rank {r}'s compressor holds residuals of its own, which this hook never keeps")
+            own = {int(i): v.detach().float().cpu() for i, v in state["residuals"].items()}
+            layouts = {(which, key): layout for which, key, layout in state.get("layouts", [])}
+            group_rank, local = (r // k, r % k) if node_size else (r, 0)
+            for which in ("main", "warmup"):
+                comp = state["compressor"] if which == "main" else state.get("warmup", {})
+                for key, server in comp.get("server_residuals", {}).items():
+                    if (which, key) not in layouts:
+                        raise ValueError(
+                            f"saved rank {r}'s server residual {key!r} has no layout to fold it with; HINT: resume on "
+                            f"the same number of ranks ({world})"
+                        )
+                    pieces, numel, scaled = layouts[(which, key)]
+                    # As Compressor.pop_residual: group_world times the server residual, at this rank's shard ...
+                    held = torch.zeros(numel)
+                    lo = min(group_rank * server.numel(), numel)
+                    hi = min(lo + server.numel(), numel)
+                    held[lo:hi] += group_world * server[: hi - lo].detach().float().cpu()
+                    # ... and as _fold_unused: at this local rank's node shard, in units of one rank's input.
+                    bucket = torch.zeros(max(sum(n for _, n in pieces), (local + 1) * numel))
+                    bucket[local * numel : (local + 1) * numel] = held * k
+                    pos = 0
+                    for i, n in pieces:
+                        piece = bucket[pos : pos + n]
+                        if scaled:
+                            piece = piece * state["rms"][int(i)].detach().float().cpu()
+                        own[int(i)] = own[int(i)] + piece if int(i) in own else piece.clone()
+                        pos += n
+            for i, v in own.items():
+                total[i] = total[i] + v if i in total else v
+        first = states[0]
+        resized = dict(first)
+        resized["residuals"] = {i: v / world for i, v in total.items()}
+        resized["compressor"] = {**first["compressor"], "residuals": {}, "server_residuals": {}}
+        if "warmup" in first:
+            resized["warmup"] = {**first["warmup"], "residuals": {}, "server_residuals": {}}
+        resized["layouts"] = []
+        return resized
+
     def _observe(self, index: int, mean: torch.Tensor) -> None:
         """Add one warm-up step's averaged gradient of parameter ``index`` to its sum of squares."""
         square = mean.double().square()

@@ -381,6 +381,41 @@ class Compressor:
             "calls": self.calls,
         }
 
+    @staticmethod
+    def resized_state(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The state for every rank of a run on another number of ranks, from each saved rank's :meth:`state_dict`
+        (in rank order; their exchanges ran over all of them). Per key, every saved rank's residual with its server
+        residual folded in (as :meth:`pop_residual` does) is averaged over the saved ranks: the mean over any number
+        of ranks of that same residual is the debt the saved ranks held on the mean, so nothing is dropped. The
+        PowerSGD factors and the call counter (the same on every rank) come from rank 0."""
+        if not states:
+            raise ValueError("resized_state needs the state of at least one saved rank")
+        world = len(states)
+        # A key's size: its own residuals' (every rank with error feedback has one), else the servers' shards.
+        sizes: dict[str, int] = {}
+        for state in states:
+            for key, server in state.get("server_residuals", {}).items():
+                sizes.setdefault(key, server.numel() * world)
+        for state in states:
+            sizes.update({key: own.numel() for key, own in state["residuals"].items()})
+        total: dict[str, torch.Tensor] = {}
+        for r, state in enumerate(states):
+            keys = set(state["residuals"]) | set(state.get("server_residuals", {}))
+            for key in keys:
+                own = state["residuals"].get(key)
+                server = state.get("server_residuals", {}).get(key)
+                numel = sizes[key]
+                held = own.detach().float().cpu().clone() if own is not None else torch.zeros(numel)
+                if server is not None:
+                    lo = min(r * server.numel(), numel)
+                    hi = min(lo + server.numel(), numel)
+                    held[lo:hi] += world * server[: hi - lo].detach().float().cpu()
+                if key in total and total[key].numel() != held.numel():
+                    raise ValueError(f"saved ranks disagree on the size of residual {key!r}")
+                total[key] = total[key] + held if key in total else held
+        first = states[0]
+        return {**first, "residuals": {k: v / world for k, v in total.items()}, "server_residuals": {}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("method") != self.method:
             raise ValueError(

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
@@ -352,9 +353,20 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         self._last_gather = None
         # Lightning restores rank 0's optimizer state on every rank; 1-bit Adam's residuals are per rank.
         states = checkpoint.get(_ONEBIT_KEY)
-        if states is not None:
-            for opt, state in zip(self._onebit(), states[self.global_rank], strict=False):
-                opt.compressor.load_state_dict(state)
+        if states is None:
+            return
+        if len(states) == self.world_size:
+            own = states[self.global_rank]
+        else:
+            # Another number of ranks: every rank takes the mean of the saved ranks' residuals (nothing dropped).
+            rank_zero_warn(
+                f"ddp_measured: the checkpoint's 1-bit Adam residuals are for {len(states)} ranks, this run has "
+                f"{self.world_size}; every rank starts from their mean (what compression held back is kept, the "
+                "trajectory is no longer the uninterrupted one step for step)"
+            )
+            own = [Compressor.resized_state(list(per_opt)) for per_opt in zip(*states, strict=True)]
+        for opt, state in zip(self._onebit(), own, strict=False):
+            opt.compressor.load_state_dict(state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -386,7 +398,15 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         if onebit:
             out[_ONEBIT_KEY] = all_gather_state([o.compressor.state_dict() for o in onebit])
         if self._compressed is not None:
-            out[_CKPT_KEY] = {"world_size": self.world_size, "ranks": all_gather_state(self._compressed.state_dict())}
+            hook = self._compressed
+            node_size = dist.get_world_size(hook.node_group) if hook.hierarchical else None
+            out[_CKPT_KEY] = {
+                "world_size": self.world_size,
+                # How the saved ranks exchanged: what a resume on another number of ranks needs to fold their
+                # two-phase server residuals (CompressedAllReduce.resized_state).
+                "node_size": node_size,
+                "ranks": all_gather_state(hook.state_dict()),
+            }
         self._last_gather = (key, out)
         return out
 
@@ -406,16 +426,35 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
             log.info("ddp_measured: one rank, so the checkpoint's compression residuals are not used")
         elif state is not None and self.compression != "none":
             if state["world_size"] != self.world_size:
-                raise ValueError(
-                    f"the checkpoint's compression residuals are for {state['world_size']} ranks, this run has "
-                    f"{self.world_size}; HINT: resume on the same number of ranks, or drop the '{_CKPT_KEY}' key"
-                )
-            own = state["ranks"][self.global_rank]
+                own = self._resized_compression(state)
+            else:
+                own = state["ranks"][self.global_rank]
             if self._compressed is not None:
                 self._compressed.load_state_dict(own)
             else:
                 self._restored_compression = own  # applied when the hook is registered
         return checkpoint
+
+    def _resized_compression(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The compressed hook's state for this rank from a checkpoint of another number of ranks: the mean of the
+        saved ranks' residuals, with their two-phase server residuals folded in (nothing held back is dropped)."""
+        saved = state["world_size"]
+        has_server = any(
+            r["compressor"].get("server_residuals") or r.get("warmup", {}).get("server_residuals")
+            for r in state["ranks"]
+        )
+        if has_server and "node_size" not in state:
+            raise ValueError(
+                f"the checkpoint's compression residuals are for {saved} ranks, this run has {self.world_size}, and "
+                "it predates the record of how they exchanged (needed to fold their two-phase server residuals); "
+                f"HINT: resume on {saved} ranks, or drop the '{_CKPT_KEY}' key (what compression held back is lost)"
+            )
+        rank_zero_warn(
+            f"ddp_measured: the checkpoint's compression residuals are for {saved} ranks, this run has "
+            f"{self.world_size}; every rank starts from their mean (what compression held back is kept, the "
+            "trajectory is no longer the uninterrupted one step for step)"
+        )
+        return CompressedAllReduce.resized_state(state["ranks"], state.get("node_size"))
 
     @override
     def teardown(self) -> None:

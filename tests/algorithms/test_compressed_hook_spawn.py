@@ -94,16 +94,22 @@ def _coeffs(rank: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g) for n in (700, 300, 513)]
 
 
-def _ddp_two_phase(rank: int, world: int, steps: int, warmup: int) -> dict:
+def _ddp_two_phase(rank: int, world: int, steps: int, warmup: int, node_size: int | None = None) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     model = _Linear()
     # Tiny buckets: several buckets per step, each its own key (and server residual).
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.003)
+    groups = {}
+    if node_size is not None:  # hierarchical: the two-phase exchange runs across nodes, on each local rank's shard
+        topo = Topology(world_size=world, node_size=node_size)
+        groups["node_group"], _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+        groups["cross_group"], _ = dist.new_subgroups_by_enumeration(topo.all_cross_node())
     hook = CompressedAllReduce(
         Compressor("sign", seed=rank, collective="two_phase"), StatsRecorder(), process_group=dist.new_group(),
-        warmup_steps=warmup, warmup_compressor=Compressor("int8", seed=rank, collective="two_phase"),
+        warmup_steps=warmup, warmup_compressor=Compressor("int8", seed=rank, collective="two_phase"), **groups,
     )  # fmt: skip
+    assert hook.hierarchical == (node_size is not None)
     hook.register(ddp)
     for _ in range(steps):
         ddp.zero_grad()
@@ -112,6 +118,7 @@ def _ddp_two_phase(rank: int, world: int, steps: int, warmup: int) -> dict:
             for p in model.parameters():
                 p -= p.grad  # SGD, lr 1: a parameter is minus the sum of the means it received
     hook.close()
+    state = hook.state_dict()  # as a checkpoint holds it: server residuals not folded
     server_keys = len(hook.compressor.server_residuals)
     # The warm-up's exchange ended after step 2: its server residuals were folded back at the end of step 3.
     warmup_left = len(hook._warmup.server_residuals)
@@ -122,17 +129,29 @@ def _ddp_two_phase(rank: int, world: int, steps: int, warmup: int) -> dict:
     held = torch.cat([hook.residuals.get(i, torch.zeros(p.numel())) for i, p in enumerate(model.parameters())])
     dist.all_reduce(held)
     return {"params": torch.cat([p.detach() for p in model.parameters()]), "held": held / world,
-            "server_keys": server_keys, "warmup_left": warmup_left}  # fmt: skip
+            "server_keys": server_keys, "warmup_left": warmup_left, "state": state}  # fmt: skip
 
 
 @pytest.mark.timeout(120)
-def test_ddp_hook_two_phase_over_buckets_and_warm_up_loses_nothing():
-    # 4 ranks in one flat group: the two-phase layout, an int8 warm-up of 2 steps then sign; what the ranks applied
-    # plus what the residuals (their own and the shard owners', folded back) hold is exactly the exact sum.
+@pytest.mark.parametrize("node_size", [None, 2], ids=["flat", "hierarchical"])
+def test_ddp_hook_two_phase_over_buckets_and_warm_up_loses_nothing(node_size):
+    # 4 ranks, in one flat group or as 2 nodes of 2: the two-phase layout, an int8 warm-up of 2 steps then sign; what
+    # the ranks applied plus what the residuals (their own and the shard owners', folded back) hold is exactly the
+    # exact sum.
     steps = 6
-    res = run_distributed(_ddp_two_phase, WORLD, steps, 2)
+    res = run_distributed(_ddp_two_phase, WORLD, steps, 2, node_size)
     exact = -steps * sum(torch.cat(_coeffs(r)) for r in range(WORLD)) / WORLD
     for r in res:
         torch.testing.assert_close(r["params"], res[0]["params"], rtol=0, atol=0)  # no drift between replicas
         torch.testing.assert_close(r["params"] - r["held"], exact, rtol=0, atol=1e-4)
         assert r["server_keys"] >= 2 and r["warmup_left"] == 0  # several buckets, each with its server residual
+    # A resume on another number of ranks: every rank takes resized_state's residuals, computed from the saved
+    # states alone (no process group), and their mean over any number of ranks is the same debt the 4 ranks held.
+    resized = CompressedAllReduce.resized_state([r["state"] for r in res], node_size)
+    assert not resized["compressor"]["server_residuals"] and not resized["layouts"]
+    held = torch.cat([resized["residuals"].get(i, torch.zeros(n)) for i, n in enumerate((700, 300, 513))])
+    torch.testing.assert_close(held, res[0]["held"], rtol=0, atol=1e-6)
+    # Without the folding (own residuals only) it would not be: the server residuals hold part of the debt.
+    own = sum(torch.cat([r["state"]["residuals"].get(i, torch.zeros(n)) for i, n in enumerate((700, 300, 513))])
+              for r in res) / WORLD  # fmt: skip
+    assert (own - res[0]["held"]).abs().max() > 1e-3

@@ -75,6 +75,32 @@ def test_error_feedback_loses_nothing(method):
     assert held_back.norm() / steps < 0.2 * _mean().norm()
 
 
+def _two_phase_state(rank: int, world: int, steps: int) -> dict:
+    comp = Compressor("int8", seed=rank, collective="two_phase")
+    for step in range(steps):
+        comp.allreduce(_tensor(rank, step), None, key="g")
+    state = comp.state_dict()  # as a checkpoint holds it: this rank's own residual and its shard's server residual
+    held = comp.pop_residual("g", N, None)  # the fold a consistent cut does, with the real group
+    return {"state": state, "held": held}
+
+
+@pytest.mark.timeout(120)
+def test_resized_state_keeps_the_debt_of_own_and_server_residuals():
+    # 3 ranks, two-phase int8: a resume on another number of ranks gives every rank the mean over the saved ranks of
+    # own + world x server residual (at its shard), computed from the saved states alone; its mean over any number
+    # of ranks is the debt the 3 ranks held (the mean of what pop_residual folds on each).
+    res = run_distributed(_two_phase_state, 3, 4)
+    assert all(r["state"]["server_residuals"] for r in res)
+    resized = Compressor.resized_state([r["state"] for r in res])
+    assert not resized["server_residuals"] and resized["calls"] == res[0]["state"]["calls"] == 4
+    debt = sum(r["held"] for r in res) / 3
+    torch.testing.assert_close(resized["residuals"]["g"], debt, rtol=0, atol=1e-6)
+    own_only = sum(r["state"]["residuals"]["g"] for r in res) / 3
+    assert (own_only - debt).abs().max() > 1e-4  # the server residuals carry part of it
+    fresh = Compressor("int8", collective="two_phase")
+    fresh.load_state_dict(resized)  # a state a new rank loads as it is
+
+
 def _powersgd_low_rank(rank: int, world: int) -> dict:
     # A rank-2 matrix (the same on both ranks up to scale): rank-4 PowerSGD recovers it after one step.
     u = torch.arange(20.0).view(20, 1) / 20

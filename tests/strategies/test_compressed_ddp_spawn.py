@@ -12,6 +12,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.callbacks import SyncMonitor
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 
@@ -150,6 +152,54 @@ def test_resume_restores_every_ranks_residuals(tmp_path, method):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+class RecordResiduals(Callback):
+    """The compressed hook's residuals as the fit starts (after a checkpoint was loaded), by rank."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        hook = trainer.strategy._compressed
+        held = {"residuals": dict(hook.residuals), "server": dict(hook.compressor.server_residuals)}
+        torch.save(held, Path(self.out) / f"residuals{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_two_ranks_resumes_on_three_with_the_mean_of_their_residuals(tmp_path):
+    # The two-phase layout forced on 2 ranks: each rank's own residuals and its shard's server residual.
+    make = lambda: MeasuredDDPStrategy(  # noqa: E731
+        compression="int4", compression_options={"collective": "two_phase"}, start_method="fork"
+    )
+    _fit(
+        tmp_path / "two", make(), steps=4, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)]
+    )
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    state = torch.load(path, weights_only=True)["syncasync_compression"]
+    assert state["world_size"] == 2 and state["node_size"] is None
+    assert all(rank["compressor"]["server_residuals"] for rank in state["ranks"])
+    want = CompressedAllReduce.resized_state(state["ranks"], None)["residuals"]
+
+    out = tmp_path / "three"
+    out.mkdir()
+    trainer = Trainer(
+        accelerator="cpu", devices=3, strategy=make(), max_steps=6, logger=False, default_root_dir=out,
+        callbacks=[RecordResiduals(str(out)), RecordParams(str(out))], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(TinyModel(), ckpt_path=str(path))  # before: "residuals are for 2 ranks, this run has 3"
+    for r in range(3):
+        got = torch.load(out / f"residuals{r}.pt", weights_only=True)
+        # Every rank holds the mean of the 2 saved ranks' residuals with their server residuals folded in: the
+        # debt compression held back (algorithms test: the same as what the 2 ranks' own fold gives), none dropped.
+        assert not got["server"] and set(got["residuals"]) == set(want)
+        for i, residual in want.items():
+            torch.testing.assert_close(got["residuals"][i], residual, rtol=0, atol=0)
+        steps = torch.load(out / f"rank{r}.pt", weights_only=True)
+        assert len(steps) == 2 and all(torch.isfinite(s).all() for s in steps)  # and it trains on, to step 6
+    assert any(v.abs().max() > 0 for v in want.values())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -198,6 +248,33 @@ def test_onebit_adam_under_ddp_measured_stops_gradient_traffic_after_warmup(tmp_
     for rank in summary["ranks"]:
         # 3 warm-up steps of fp32 gradients, then 5 steps of 1-bit momenta (3 chunks of 256 bits + 3 scales).
         assert rank["bytes_intra_per_step"] * 8 == pytest.approx(3 * PARAM_BYTES + 5 * (96 + 12))
+
+    # Resumed on 3 ranks: every rank starts from the mean of the 2 saved ranks' residuals (nothing dropped).
+    want = Compressor.resized_state([r[0] for r in ranks])["residuals"]
+    more = tmp_path / "three"
+    more.mkdir()
+    trainer = Trainer(
+        accelerator="cpu", devices=3, strategy=MeasuredDDPStrategy(start_method="fork"), max_steps=10, logger=False,
+        callbacks=[RecordOneBitResiduals(str(more))], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(TinyOneBitModel(), ckpt_path=str(out / "ckpt" / "last.ckpt"))  # before: rank 2 found no state
+    for r in range(3):
+        (got,) = torch.load(more / f"onebit{r}.pt", weights_only=True)
+        assert got.keys() == want.keys()
+        for k, residual in want.items():
+            torch.testing.assert_close(got[k], residual, rtol=0, atol=0)
+
+
+class RecordOneBitResiduals(Callback):
+    """1-bit Adam's residuals as the fit starts (after a checkpoint was loaded), by rank."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        held = [dict(o.compressor.residuals) for o in trainer.strategy._onebit()]
+        torch.save(held, Path(self.out) / f"onebit{trainer.global_rank}.pt")
 
 
 @pytest.mark.timeout(300)
