@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, reduce_scatter_flat
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression import Compressor, add_server_residual_
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder, timing_event
 
 # Exchanges a warm-up may use (exact enough to measure the gradients' scale), and the chunk-scaled methods that
@@ -218,9 +218,7 @@ class CompressedAllReduce:
                     pieces, numel, scaled = layouts[(which, key)]
                     # As Compressor.pop_residual: group_world times the server residual, at this rank's shard ...
                     held = torch.zeros(numel)
-                    lo = min(group_rank * server.numel(), numel)
-                    hi = min(lo + server.numel(), numel)
-                    held[lo:hi] += group_world * server[: hi - lo].detach().float().cpu()
+                    add_server_residual_(held, server.detach().float().cpu(), group_world, group_rank)
                     # ... and as _fold_unused: at this local rank's node shard, in units of one rank's input.
                     bucket = torch.zeros(max(sum(n for _, n in pieces), (local + 1) * numel))
                     bucket[local * numel : (local + 1) * numel] = held * k

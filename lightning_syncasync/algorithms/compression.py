@@ -82,6 +82,15 @@ def check_method(method: str, setting: str = "compression") -> None:
         raise ValueError(f"{setting} must be one of {METHODS}, got {method!r}; HINT: 'int8' cuts bytes about 4x")
 
 
+def add_server_residual_(total: torch.Tensor, server: torch.Tensor, world: int, rank: int) -> None:
+    """Add a two-phase server residual, in units of one rank's input, to ``total`` (a rank's input-sized residual):
+    ``world`` times the residual (the mean divides the sum by ``world``) at the shard that ``rank`` owns."""
+    numel = total.numel()
+    lo = min(rank * server.numel(), numel)
+    hi = min(lo + server.numel(), numel)
+    total[lo:hi] += world * server[: hi - lo].to(total.device)
+
+
 class Compressor:
     """Compressed mean over a process group, with error feedback and exact byte accounting.
 
@@ -363,10 +372,7 @@ class Compressor:
         assert like is not None
         total = own.clone() if own is not None else torch.zeros(numel, device=like.device)
         if server is not None:
-            world, rank = dist.get_world_size(group), dist.get_rank(group)
-            lo = min(rank * server.numel(), numel)
-            hi = min(lo + server.numel(), numel)
-            total[lo:hi] += world * server[: hi - lo].to(total.device)
+            add_server_residual_(total, server, dist.get_world_size(group), dist.get_rank(group))
         return total
 
     # -- checkpoints ------------------------------------------------------------------------------------------
@@ -407,9 +413,7 @@ class Compressor:
                 numel = sizes[key]
                 held = own.detach().float().cpu().clone() if own is not None else torch.zeros(numel)
                 if server is not None:
-                    lo = min(r * server.numel(), numel)
-                    hi = min(lo + server.numel(), numel)
-                    held[lo:hi] += world * server[: hi - lo].detach().float().cpu()
+                    add_server_residual_(held, server.detach().float().cpu(), world, r)
                 if key in total and total[key].numel() != held.numel():
                     raise ValueError(f"saved ranks disagree on the size of residual {key!r}")
                 total[key] = total[key] + held if key in total else held
