@@ -27,8 +27,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_, check_same_on_every_rank, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._optim import local_part
+from lightning_syncasync.strategies._state import mean_state
 
 START_METHODS = ("popen", "fork", "spawn")
 
@@ -211,28 +213,62 @@ class ShardsInsideNodes:
         if layout is None:
             return checkpoint
         here = self._layout()
-        if layout != here:
-            # Each rank's file holds state cut to its shards of this layout (its node's optimizer shards, an outer
-            # momentum, residuals), which another layout cannot take as they are; the weights can: a checkpoint is a
-            # consistent cut, so the folder holds the merged model.
+        if layout["node_size"] != here["node_size"]:
+            # Each rank's file holds state cut to its shards of this node size (its node's optimizer shards, an
+            # outer momentum, residuals), which another node size cannot take as they are; the weights can: a
+            # checkpoint is a consistent cut, so the folder holds the merged model.
             raise ValueError(
-                f"the checkpoint's shards are for {layout}, this run has {here}; HINT: resume on the same number of "
-                "ranks and nodes, or start a new fit from its weights: torch.distributed.checkpoint.format_utils."
-                "dcp_to_torch_save(CKPT_DIR, 'weights.pt'), then model.load_state_dict(torch.load('weights.pt')"
-                "['state_dict']) before fit, without ckpt_path (the optimizer and the step count start afresh)"
+                f"the checkpoint's shards are for {layout}, this run has {here}; HINT: resume with "
+                f"{layout['node_size']} ranks per node (any number of nodes), or start a new fit from its weights: "
+                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(CKPT_DIR, 'weights.pt'), then "
+                "model.load_state_dict(torch.load('weights.pt')['state_dict']) before fit, without ckpt_path (the "
+                "optimizer and the step count start afresh)"
             )
-        path = Path(self.broadcast(checkpoint_path)) / self.rank_state_file(self.global_rank)  # type: ignore[attr-defined]
+        folder = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
+        if layout == here:
+            self._restore_rank_state(torch.load(self._rank_state_path(folder, self.global_rank), weights_only=True))
+            return checkpoint
+        # Another number of nodes of the same size: a rank's shards are where the same local rank's were, on every
+        # saved node. It takes their mean (the nodes' optimizer states; the outer momentum, the same on every node)
+        # and what compression held back across those nodes, folded so nothing is dropped.
+        k = here["node_size"]
+        saved_nodes = layout["world_size"] // k
+        local = self.global_rank % k  # type: ignore[attr-defined]
+        rank_zero_warn(
+            f"{self.strategy_name}: the checkpoint is of {saved_nodes} node(s) of {k} ranks, this run has "
+            f"{here['world_size'] // k}; each rank starts from the mean of the saved nodes' state for its shards (the "
+            "trajectory is no longer the uninterrupted one step for step)"
+        )
+        states = [
+            torch.load(self._rank_state_path(folder, node * k + local), weights_only=True)
+            for node in range(saved_nodes)
+        ]
+        self._restore_rank_state(_mean_rank_states(states))
+        return checkpoint
+
+    def _rank_state_path(self, folder: Path, rank: int) -> Path:
+        path = folder / self.rank_state_file(rank)
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path} is missing: this rank's algorithm state; HINT: copy the whole checkpoint folder, every file"
+                f"{path} is missing: rank {rank}'s algorithm state; HINT: copy the whole checkpoint folder, every file"
             )
-        self._restore_rank_state(torch.load(path, weights_only=True))
-        return checkpoint
+        return path
 
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
         destroy_groups(self._cross_group)
         self._cross_group = None
+
+
+def _mean_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state of the same shards on several saved nodes (node order), for a rank of a run with another number of
+    nodes: the mean of everything (:func:`mean_state`), except compression, whose residuals over those nodes (the
+    shard's cross-node group) are folded and averaged by :meth:`Compressor.resized_state`."""
+    merged = mean_state([{k: v for k, v in s.items() if k != "compression"} for s in states])
+    compression = [s["compression"] for s in states if s.get("compression") is not None]
+    if compression:
+        merged["compression"] = Compressor.resized_state(compression)
+    return merged
 
 
 def _save_atomic(obj: Any, path: Path) -> None:

@@ -102,6 +102,29 @@ class SavesNodeOptimizers:
             optimizer.load_state_dict(state)
 
 
+def mean_state(states: list[Any]) -> Any:
+    """The element-wise mean of several replicas' states of one structure (nested dicts and lists of tensors and
+    numbers): floating-point tensors are averaged where the replicas differ; everything else (step counters, which
+    agree, and what only the first holds) is the first one's."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        if not first.is_floating_point():
+            return first
+        others = [s for s in states[1:] if isinstance(s, torch.Tensor) and s.shape == first.shape]
+        if len(others) != len(states) - 1:
+            raise ValueError(f"the replicas' states differ in structure: a tensor of shape {tuple(first.shape)} here")
+        if all(torch.equal(first, o) for o in others):
+            return first
+        return torch.stack([first, *[o.to(first.device) for o in others]]).mean(dim=0)
+    if isinstance(first, dict):
+        return {k: mean_state([v, *[s[k] for s in states[1:] if k in s]]) for k, v in first.items()}
+    if isinstance(first, (list, tuple)):
+        if any(len(s) != len(first) for s in states[1:]):
+            raise ValueError(f"the replicas' states differ in structure: lists of {[len(s) for s in states]} items")
+        return type(first)(mean_state([s[i] for s in states]) for i in range(len(first)))
+    return first
+
+
 def mean_optimizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
     """The element-wise mean of several replicas' ``optimizer.state_dict()`` (the same optimizer and parameters):
     each floating-point tensor of a parameter's state is averaged where the replicas differ; everything else (step

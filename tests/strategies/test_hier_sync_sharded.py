@@ -13,9 +13,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_syncasync.callbacks import SyncMonitor
+from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._sharded import _MergedWeightsLauncher
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
-from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
+from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy, _local_optimizer_state
 
 PARAM_BYTES = sum(p.numel() * 4 for p in ShardedTinyModel().parameters())
 
@@ -37,13 +38,6 @@ class RecordFullParams(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
         self.steps.append(torch.cat([p.detach().reshape(-1) for p in full]))
-
-    def on_train_start(self, trainer, pl_module):
-        # The whole model the fit starts from (after a checkpoint's weights were loaded), by rank.
-        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
-        torch.save(
-            torch.cat([p.detach().reshape(-1) for p in full]), Path(self.out) / f"start_rank{trainer.global_rank}.pt"
-        )
 
     def on_train_end(self, trainer, pl_module):
         # After the strategy's final merge, which runs before any user hook: the model a user's on_train_end sees.
@@ -130,23 +124,71 @@ def test_resume_from_a_distributed_checkpoint_is_exact(tmp_path):
     momenta = [s["momentum"] for s in states]
     assert all(m is not None for m in momenta) and not torch.equal(momenta[0], momenta[1])  # per rank: its shard
 
-    # On another layout (one node of 4) the per-rank state does not fit: refused on every rank, with the way on ...
+
+class RecordStart(Callback):
+    """What a rank starts from, after a checkpoint was loaded: the whole model, the outer momentum of its shards and
+    its optimizer shards."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
+        strategy = trainer.strategy
+        state = {
+            "model": torch.cat([p.detach().reshape(-1) for p in full]),
+            "momentum": strategy.averager.outer_opt.buffer if strategy.averager is not None else None,
+            "optimizer": _local_optimizer_state(unwrap_optimizer(strategy.optimizers[0])),
+        }
+        torch.save(state, Path(self.out) / f"start{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(400)
+def test_another_number_of_nodes_resumes_from_the_mean_of_the_same_shards_and_another_node_size_is_refused(tmp_path):
+    def fit(devices: int, nodes: int, steps: int, ckpt_path=None, callbacks=()) -> Path:
+        out = tmp_path / f"{nodes}x{devices // nodes}"
+        out.mkdir()
+        strategy = ShardedHierSyncStrategy(
+            virtual_nodes=nodes, inter_period=2, max_delay=1, outer="nesterov", outer_lr=0.7, start_method="fork"
+        )
+        trainer = Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+            default_root_dir=out, callbacks=[RecordStart(str(out)), *callbacks], enable_checkpointing=bool(callbacks),
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        trainer.fit(ShardedTinyAdamModel(), ckpt_path=ckpt_path)
+        return out
+
+    fit(4, 2, 4, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)])
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    trainer = Trainer(
-        accelerator="cpu", devices=4, max_steps=6, logger=False, default_root_dir=tmp_path / "other",
-        strategy=ShardedHierSyncStrategy(virtual_nodes=1, start_method="fork"),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    saved = [torch.load(path / f"syncasync_averager_rank{r}.pt", weights_only=True) for r in range(4)]
+    # 2 nodes of 2 resumed as 3 nodes of 2: a rank's shards are the same local rank's on every saved node.
+    three = fit(6, 3, 6, ckpt_path=str(path))  # before: "the checkpoint's shards are for ..."
+    for r in range(6):
+        got = torch.load(three / f"start{r}.pt", weights_only=True)
+        same_shards = [saved[node * 2 + r % 2] for node in range(2)]
+        # The outer momentum is the same on every node (one global pseudo-gradient) and comes back as it was ...
+        assert torch.equal(same_shards[0]["momentum"], same_shards[1]["momentum"])
+        torch.testing.assert_close(got["momentum"], same_shards[0]["momentum"], rtol=0, atol=0)
+        # ... and the nodes' optimizers, which trained apart, give their mean.
+        for p, values in enumerate(got["optimizer"]):
+            old = [s["optimizers"][0][p] for s in same_shards]
+            assert not torch.equal(old[0]["exp_avg"], old[1]["exp_avg"])
+            for name, value in values.items():
+                want = (old[0][name] + old[1][name]) / 2 if value.is_floating_point() else old[0][name]
+                torch.testing.assert_close(value, want, rtol=1e-6, atol=1e-7)
+
+    # Another node size (one node of 4): the shards are cut elsewhere; refused on every rank, with the way on ...
     with pytest.raises(Exception, match=r"shards are for \{'world_size': 4, 'node_size': 2\}.*dcp_to_torch_save"):
-        trainer.fit(ShardedTinyAdamModel(), ckpt_path=str(path))
-    # ... which the hint describes: the folder converts to the merged model, the weights the exact resume started
-    # from (its first step, from these weights, is the uninterrupted run's fifth).
+        fit(4, 1, 6, ckpt_path=str(path))
+    # ... which the hint describes: the folder converts to the merged model, the weights every resume starts from.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(path, tmp_path / "weights.pt")
     model = ShardedTinyAdamModel()
     model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True)["state_dict"])
-    start = torch.load(tmp_path / "resumed" / "start_rank0.pt", weights_only=True)
+    start = torch.load(three / "start0.pt", weights_only=True)["model"]
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), start)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from lightning_syncasync.strategies._state import mean_optimizer_state
+from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.strategies._sharded import _mean_rank_states
+from lightning_syncasync.strategies._state import mean_optimizer_state, mean_state
 
 
 def _stepped(grads: list[float], momentum_only: bool = False) -> torch.optim.Optimizer:
@@ -52,3 +55,41 @@ def test_a_replica_without_state_for_a_parameter_adds_nothing_to_its_mean():
     c = {**b, "state": {}}  # a replica that never stepped the parameter
     merged = mean_optimizer_state([a, b, c])
     torch.testing.assert_close(merged["state"][0]["exp_avg"], (a["state"][0]["exp_avg"] + b["state"][0]["exp_avg"]) / 2)
+
+
+def test_mean_state_averages_floating_tensors_of_any_nesting_and_keeps_the_rest():
+    a = {
+        "step": 4,
+        "momentum": torch.tensor([1.0, 2.0]),
+        "optimizers": [[{"exp_avg": torch.ones(2), "n": torch.tensor(3)}]],
+    }
+    b = {
+        "step": 4,
+        "momentum": torch.tensor([3.0, 2.0]),
+        "optimizers": [[{"exp_avg": -torch.ones(2), "n": torch.tensor(3)}]],
+    }
+    merged = mean_state([a, b])
+    assert merged["step"] == 4 and torch.equal(merged["momentum"], torch.tensor([2.0, 2.0]))
+    assert torch.equal(merged["optimizers"][0][0]["exp_avg"], torch.zeros(2))
+    assert merged["optimizers"][0][0]["n"] is a["optimizers"][0][0]["n"]  # an integer tensor: the first one's
+    with pytest.raises(ValueError, match="differ in structure"):
+        mean_state([a, {**b, "momentum": torch.zeros(3)}])
+
+
+def test_a_shards_state_from_several_nodes_folds_compression_and_averages_the_rest():
+    # The same shard on 2 saved nodes (their cross-node group, node order): the outer state is averaged, and the
+    # compressor's residuals, with each node's server residual folded in, as Compressor.resized_state does.
+    def node(value: float) -> dict:
+        compression = {"method": "int8", "residuals": {"k": torch.full((4,), value)},
+                       "server_residuals": {"k": torch.full((2,), value / 10)}, "factors": {}, "calls": 7}  # fmt: skip
+        return {"delivered": 3, "outer": {"buffer": torch.full((4,), value), "count": 0}, "compression": compression}
+
+    states = [node(1.0), node(3.0)]
+    merged = _mean_rank_states(states)
+    assert merged["delivered"] == 3 and torch.equal(merged["outer"]["buffer"], torch.full((4,), 2.0))
+    want = Compressor.resized_state([s["compression"] for s in states])
+    torch.testing.assert_close(merged["compression"]["residuals"], want["residuals"])
+    residual = merged["compression"]["residuals"]["k"]
+    # own mean (1 + 3) / 2, plus 2 x server / 2 at each node's half: node 0 owns [0, 2), node 1 [2, 4)
+    torch.testing.assert_close(residual, torch.tensor([2.1, 2.1, 2.3, 2.3]))
+    assert not merged["compression"]["server_residuals"] and merged["compression"]["calls"] == 7
