@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _models import ShardedTinyAdamModel, ShardedTinyModel
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from test_hier_sync_sharded import _fit, resume_at_step_4_matches
 
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
@@ -73,6 +77,45 @@ def test_resume_from_a_distributed_checkpoint_is_exact(tmp_path):
     momenta = [s["outer"]["buffer"] for s in states]
     assert not torch.equal(momenta[0], momenta[1])  # per rank: its shard's
     torch.testing.assert_close(momenta[0], momenta[2])  # the same shard on the other node: the same momentum
+
+
+class RecordRounds(Callback):
+    """The round state a rank starts from, after a checkpoint was loaded."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save(trainer.strategy.rounds.state_dict(), Path(self.out) / f"rounds{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_resume_as_three_from_the_round_state_of_the_same_shards(tmp_path):
+    def trainer(devices: int, nodes: int, steps: int, callbacks) -> Trainer:
+        strategy = ShardedAsyncSSPStrategy(
+            virtual_nodes=nodes, local_steps=2, dynamic_local_steps=False, outer="nesterov", outer_lr=0.7,
+            compression="int8", start_method="fork",
+        )  # fmt: skip
+        return Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+            default_root_dir=tmp_path, callbacks=callbacks, enable_checkpointing=True, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)
+    trainer(4, 2, 4, [ckpt]).fit(ShardedTinyAdamModel())
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    saved = [torch.load(path / f"syncasync_rounds_rank{r}.pt", weights_only=True) for r in range(4)]
+    torch.manual_seed(0)
+    trainer(6, 3, 6, [RecordRounds(str(tmp_path))]).fit(ShardedTinyAdamModel(), ckpt_path=str(path))
+    for r in range(6):
+        got = torch.load(tmp_path / f"rounds{r}.pt", weights_only=True)
+        same_shards = [saved[node * 2 + r % 2] for node in range(2)]
+        # The outer momentum of this shard (the same on every node) and the round counters, as they were saved.
+        torch.testing.assert_close(got["outer"]["buffer"], same_shards[0]["outer"]["buffer"], rtol=0, atol=0)
+        assert got["delivered"] == same_shards[0]["delivered"] == 3
+        assert got["compression"]["method"] == "int8" and not got["compression"]["server_residuals"]
 
 
 @pytest.mark.parametrize(
