@@ -217,10 +217,10 @@ class CompressedAllReduce:
                         )
                     pieces, numel, scaled = layouts[(which, key)]
                     # As Compressor.pop_residual: group_world times the server residual, at this rank's shard ...
-                    held = torch.zeros(numel)
+                    held = torch.zeros(numel, device="cpu")
                     add_server_residual_(held, server.detach().float().cpu(), group_world, group_rank)
                     # ... and as _fold_unused: at this local rank's node shard, in units of one rank's input.
-                    bucket = torch.zeros(max(sum(n for _, n in pieces), (local + 1) * numel))
+                    bucket = torch.zeros(max(sum(n for _, n in pieces), (local + 1) * numel), device="cpu")
                     bucket[local * numel : (local + 1) * numel] = held * k
                     pos = 0
                     for i, n in pieces:

@@ -411,7 +411,7 @@ class Compressor:
                 own = state["residuals"].get(key)
                 server = state.get("server_residuals", {}).get(key)
                 numel = sizes[key]
-                held = own.detach().float().cpu().clone() if own is not None else torch.zeros(numel)
+                held = own.detach().float().cpu().clone() if own is not None else torch.zeros(numel, device="cpu")
                 if server is not None:
                     add_server_residual_(held, server.detach().float().cpu(), world, r)
                 if key in total and total[key].numel() != held.numel():
