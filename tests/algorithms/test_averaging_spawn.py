@@ -190,8 +190,10 @@ def test_compressed_rounds_lose_nothing_at_a_consistent_cut(method):
         assert steps * 250 * 4 * limit * 0.5 < r["inter"] - 250 * 4 <= steps * 250 * 4 * limit
 
 
-def _hung_peer(rank: int, world: int, timeout_s: float) -> dict:
+def _hung_peer(rank: int, world: int, timeout_s: float, flag: str) -> dict:
     import time
+
+    from _hang import fault_seen, stay_hung_until
 
     from lightning_syncasync.algorithms.averaging import PeerLostError
 
@@ -200,20 +202,21 @@ def _hung_peer(rank: int, world: int, timeout_s: float) -> dict:
     cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timedelta(seconds=timeout_s))
     avg = DelayedAverager([torch.zeros(4)], cross_group, node_group, 0, 1, 2, max_delay=0, timeout_s=timeout_s)
     if rank == 1:
-        time.sleep(timeout_s + 6)  # hung: never joins the average
+        stay_hung_until(flag, at_most_s=timeout_s + 20)  # hung: never joins the average
         return {}
     start = time.perf_counter()
     try:
         avg.after_step()
     except PeerLostError as err:
+        fault_seen(flag)
         return {"error": str(err), "after_s": time.perf_counter() - start}
     return {"error": None}
 
 
 @pytest.mark.timeout(120)
-def test_a_hung_peer_ends_the_round_with_an_error_naming_it():
+def test_a_hung_peer_ends_the_round_with_an_error_naming_it(tmp_path):
     timeout_s = 3.0
-    res = run_distributed(_hung_peer, 2, timeout_s, timeout_s=30, hard_exit=True)
+    res = run_distributed(_hung_peer, 2, timeout_s, str(tmp_path / "seen"), timeout_s=30, hard_exit=True)
     err = res[0]["error"]
     assert err is not None and "lost peer rank 1" in err and "timeout_s=3" in err, err
     assert timeout_s - 0.5 <= res[0]["after_s"] <= timeout_s + 5

@@ -105,7 +105,9 @@ def test_compressed_exchange_loses_nothing_at_the_cut():
         torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-4, atol=1e-4)
 
 
-def _hung(rank: int, world: int) -> dict:
+def _hung(rank: int, world: int, flag: str) -> dict:
+    from _hang import fault_seen, stay_hung_until
+
     from lightning_syncasync.algorithms.averaging import PeerLostError
 
     w = [torch.zeros(3)]
@@ -116,16 +118,17 @@ def _hung(rank: int, world: int) -> dict:
             ex.begin_step(lambda grad, lrs: w[0].sub_(grad))
             ex.ship(torch.ones(3), [1.0])
         if rank == 1:
-            time.sleep(12)  # hung after 4 steps: never reaches the next step
+            stay_hung_until(flag, at_most_s=30)  # hung after 4 steps: never reaches the next step
             return {}
     except PeerLostError as err:
+        fault_seen(flag)
         return {"error": str(err), "clock": ex.clock}
     return {"error": None}
 
 
 @pytest.mark.timeout(120)
-def test_a_hung_rank_is_named_with_its_last_clock():
-    res = run_distributed(_hung, 2, timeout_s=40, hard_exit=True)
+def test_a_hung_rank_is_named_with_its_last_clock(tmp_path):
+    res = run_distributed(_hung, 2, str(tmp_path / "seen"), timeout_s=40, hard_exit=True)
     err = res[0]["error"]
     assert err is not None and "rank 1 (last clock 4," in err and "timeout_s=2" in err, err
     # Rank 0 stopped at the bound: its step 6 began at clock 5 with rank 1 at 4 (gap 1 = staleness); step 7 never.
