@@ -132,17 +132,6 @@ def mean_optimizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
 
     For the first moment (momentum, Adam's ``exp_avg``), linear in the gradients, the mean is what one optimizer
     fed the mean of the replicas' gradients would hold; for Adam's ``exp_avg_sq`` it is at least the square of that
-    mean, so the first steps are, if anything, smaller than that optimizer's."""
-    first = states[0]
-    merged: dict[Any, dict[str, Any]] = {}
-    for key, entry in first["state"].items():
-        out = dict(entry)
-        for name, value in entry.items():
-            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-                continue
-            # A replica that holds no state for this parameter (it never stepped it) has nothing to add.
-            others = [o for s in states[1:] if (o := s["state"].get(key, {}).get(name)) is not None]
-            if any(not torch.equal(value, o) for o in others):
-                out[name] = torch.stack([value, *[o.to(value.device) for o in others]]).mean(dim=0)
-        merged[key] = out
-    return {**first, "state": merged}
+    mean, so the first steps are, if anything, smaller than that optimizer's. A replica that holds no state for a
+    parameter (it never stepped it) has nothing to add to that parameter's mean (:func:`mean_state` skips it)."""
+    return {**states[0], "state": mean_state([s["state"] for s in states])}
