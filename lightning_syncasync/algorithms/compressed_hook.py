@@ -215,20 +215,17 @@ class CompressedAllReduce:
                             f"saved rank {r}'s server residual {key!r} has no layout to fold it with; HINT: resume on "
                             f"the same number of ranks ({world})"
                         )
-                    pieces, numel, scaled = layouts[(which, key)]
+                    layout = layouts[(which, key)]
                     # As Compressor.pop_residual: group_world times the server residual, at this rank's shard ...
-                    held = torch.zeros(numel, device="cpu")
+                    held = torch.zeros(layout[1], device="cpu")
                     add_server_residual_(held, server.detach().float().cpu(), group_world, group_rank)
                     # ... and as _fold_unused: at this local rank's node shard, in units of one rank's input.
-                    bucket = torch.zeros(max(sum(n for _, n in pieces), (local + 1) * numel), device="cpu")
-                    bucket[local * numel : (local + 1) * numel] = held * k
-                    pos = 0
-                    for i, n in pieces:
-                        piece = bucket[pos : pos + n]
-                        if scaled:
-                            piece = piece * state["rms"][int(i)].detach().float().cpu()
-                        own[int(i)] = own[int(i)] + piece if int(i) in own else piece.clone()
-                        pos += n
+                    saved_rms = state.get("rms", {})  # the warm-up's frozen RMS, the same on every rank
+
+                    def rms(i: int, n: int, device: torch.device, saved: Any = saved_rms) -> torch.Tensor:
+                        return saved[i].detach().float().to(device)
+
+                    _fold_into(own, held, layout, local, k, rms)
             for i, v in own.items():
                 total[i] = total[i] + v if i in total else v
         first = states[0]
@@ -326,21 +323,9 @@ class CompressedAllReduce:
                 layout = self._layouts.pop((which, key), None)
                 if layout is None:
                     continue  # unreachable: every residual's layout is tracked (and checkpointed) with it
-                pieces, numel, scaled = layout
-                held = compressor.pop_residual(key, numel, group)
-                if held is None:
-                    continue
-                total, offset = sum(n for _, n in pieces), offset_of * numel
-                bucket = torch.zeros(max(total, offset + numel), device=held.device)
-                bucket[offset : offset + numel] = held * k
-                pos = 0
-                for i, n in pieces:
-                    piece = bucket[pos : pos + n]
-                    if scaled:
-                        piece = piece * self._frozen(i, n, piece.device)  # residuals stay in gradient units
-                    held_i = self.residuals.get(i)
-                    self.residuals[i] = held_i.to(piece.device) + piece if held_i is not None else piece.clone()
-                    pos += n
+                held = compressor.pop_residual(key, layout[1], group)  # layout: pieces, numel exchanged, scaled
+                if held is not None:
+                    _fold_into(self.residuals, held, layout, offset_of, k, self._frozen)
         self._used = set()
 
     @staticmethod
@@ -417,3 +402,29 @@ class CompressedAllReduce:
 
         state._thread.submit(exchange).add_done_callback(_done)
         return fut
+
+
+def _fold_into(
+    residuals: dict[int, torch.Tensor],
+    held: torch.Tensor,
+    layout: Any,
+    local: int,
+    k: int,
+    rms: Any,
+) -> None:
+    """Add a popped server residual ``held`` (``numel`` elements of the exchanged shard) to the per-parameter
+    ``residuals``, in units of one rank's input: at local rank ``local``'s node shard, times the node size ``k``
+    (1 when flat), split over the bucket's ``pieces`` and, where the exchange was ``scaled`` by the frozen RMS,
+    multiplied back by ``rms(index, numel, device)`` (residuals stay in gradient units)."""
+    pieces, numel, scaled = layout
+    offset = local * numel
+    bucket = torch.zeros(max(sum(n for _, n in pieces), offset + numel), device=held.device)
+    bucket[offset : offset + numel] = held * k
+    pos = 0
+    for i, n in pieces:
+        piece = bucket[pos : pos + n]
+        if scaled:
+            piece = piece * rms(i, n, piece.device)
+        held_i = residuals.get(i)
+        residuals[i] = held_i.to(piece.device) + piece if held_i is not None else piece.clone()
+        pos += n
