@@ -102,8 +102,12 @@ class _Report(Callback):
         self.groups = {k: str(dist.get_backend(g)) for k, g in held.items() if isinstance(g, dist.ProcessGroup)}
 
 
+# tests/_emulated_device.py, when the job runs on the emulated accelerator.
+_EMULATED: Any = None
+
+
 class _HostSyncs(Callback):
-    """CUDA only: every synchronising CUDA operation (``.item()``, a copy to the host, ...) that this package's code
+    """On a GPU: every synchronising CUDA operation (``.item()``, a copy to the host, ...) that this package's code
     makes on the training thread during the steady steps (from the third step to the one before the last), by the
     frame that asked for it, with the steps it happened in: a host sync in every step stops the host from queueing
     ahead of the GPU. ``torch.cuda.set_sync_debug_mode`` reports the implicit ones; the explicit ones it does not
@@ -111,7 +115,8 @@ class _HostSyncs(Callback):
     frame that asked is the innermost one outside torch, Lightning (and its utilities, torchmetrics) and these
     wrappers: a sync the pack's code asks for counts, also through Lightning (a ``self.log`` of a CUDA tensor);
     one the test model or Lightning's loop asks for does not, even when it runs inside a hook of the pack's (the
-    loss closure runs inside its ``optimizer_step``); nor do the communication threads'."""
+    loss closure runs inside its ``optimizer_step``); nor do the communication threads'. On the emulated accelerator
+    (``tests/_emulated_device.py``) the emulator reports every sync it sees, to the same count."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -148,6 +153,13 @@ class _HostSyncs(Callback):
     def _watch(self, on: bool) -> None:
         import warnings
 
+        if _EMULATED is not None:  # tests/_emulated_device.py reports every sync it sees
+            hooks = _EMULATED.ON_SYNC
+            if on and self._note not in hooks:
+                hooks.append(self._note)
+            elif not on and self._note in hooks:
+                hooks.remove(self._note)
+            return
         if on and self._saved is None:
             cuda = torch.cuda
             self._saved = (warnings.showwarning, cuda.synchronize, cuda.Event.synchronize, cuda.Stream.synchronize)
@@ -203,6 +215,8 @@ def _not_the_asker(frame: traceback.FrameSummary) -> bool:
     """Whether a frame only makes or passes on a sync (see ``_PASS_THROUGH_DIRS``) rather than asking for it."""
     if frame.filename.startswith(_PASS_THROUGH_DIRS) or Path(frame.filename).name in ("warnings.py", "_py_warnings.py"):
         return True
+    if _EMULATED is not None and frame.filename == _EMULATED.__file__:
+        return True
     return frame.filename == __file__ and frame.name in _WRAPPERS
 
 
@@ -232,14 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     strategy = entry["strategy"](**options)
     report = _Report()
     syncs = _HostSyncs(args.steps)
-    callbacks: list[Callback] = [report] + ([syncs] if args.accelerator in ("gpu", "cuda") else [])
+    callbacks: list[Callback] = [report] + ([syncs] if args.accelerator in ("gpu", "cuda", "emugpu") else [])
     if args.adaptive_batch:
         from lightning_syncasync.callbacks import AdaptiveBatchSize
 
         callbacks.append(AdaptiveBatchSize(interval=4))
     model = DeviceModel()
+    accelerator: Any = args.accelerator
+    if accelerator == "emugpu":  # an accelerator emulated on the CPU (tests/_emulated_device.py)
+        global _EMULATED
+        import _emulated_device
+
+        _EMULATED = _emulated_device
+        accelerator = _emulated_device.accelerator()
     trainer = Trainer(
-        accelerator=args.accelerator,
+        accelerator=accelerator,
         devices=1,
         num_nodes=args.ranks,
         # "warn": deterministic kernels where torch has them, a warning (not an error) where it has none.

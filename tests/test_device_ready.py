@@ -7,9 +7,11 @@ instead (``ast``), so a GPU-only bug of that kind fails here, on every machine, 
    device: a tensor made without ``device=`` lands on the CPU, and next to a model on a GPU that is an error
    (``x + cpu_tensor``) or a silent host round trip;
 2. every collective in that code goes through ``algorithms/_comm.py``, whose functions put the tensor on the device
-   the backend takes (NCCL: CUDA only; gloo: the CPU for a model on a GPU).
+   the backend takes (NCCL: CUDA only; gloo: the CPU for a model on a GPU), and every enumeration of subgroups
+   through its ``new_subgroups`` (torch's fails under a gloo job bound to a GPU).
 
-The tests under ``tests/gpu`` check the same at run time, on a GPU.
+The tests under ``tests/gpu`` check the same at run time, on a GPU, and on an accelerator emulated on the CPU
+(``tests/test_emulated_gpu.py``), which every machine runs.
 """
 
 from __future__ import annotations
@@ -90,3 +92,16 @@ def test_every_collective_in_the_library_goes_through_comm():
         "gloo: the CPU); use all_reduce_, broadcast_, all_gather_flat, reduce_scatter_flat or all_to_all_flat:\n"
         + "\n".join(direct)
     )
+
+
+def test_every_subgroup_enumeration_in_the_library_goes_through_comm():
+    # torch's new_subgroups_by_enumeration fails under a gloo job bound to a GPU (Lightning's process_group_backend=
+    # "gloo" on GPUs); _comm.new_subgroups works around it (its docstring; tests/test_emulated_gpu.py shows it).
+    direct = [
+        f"{f.relative_to(PACKAGE.parent)}:{line}"
+        for f in _library_files()
+        if f != COMM_MODULE
+        for line, name, _ in _calls(f, {"dist", "torch.distributed"})
+        if name == "new_subgroups_by_enumeration"
+    ]
+    assert not direct, "use lightning_syncasync.algorithms._comm.new_subgroups instead:\n" + "\n".join(direct)

@@ -157,6 +157,39 @@ def destroy_groups(*groups: Any) -> None:
             pass
 
 
+def new_subgroups(enumeration: list[list[int]], **kwargs: Any) -> Any:
+    """This rank's group among ``enumeration`` (``torch.distributed.new_subgroups_by_enumeration``: every rank
+    creates every group, in the same order; ``kwargs`` are its ``timeout``/``backend``).
+
+    Why not call torch's directly: a job whose default group is gloo bound to an accelerator (Lightning passes
+    ``device_id=root_device`` to ``init_process_group`` for any device but the CPU, so ``process_group_backend="gloo"``
+    on GPUs) fails to create any group that leaves a rank out. torch 2.13 then asks the default group's backend for
+    that device to "split" without the rank (``perform_nocolor_split``); gloo says it supports splitting but has no
+    such method, and every rank raises ``AttributeError``. The bound device serves only that split, which gloo does
+    not need (it builds a subgroup through the store), so it is hidden from torch while the groups are created.
+    Found by the tests' emulated accelerator (``tests/_emulated_device.py``); NCCL and CPU jobs are unaffected.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    unsplittable = False
+    if bound is not None:
+        try:
+            source = default._get_backend(bound)
+        except RuntimeError:  # no backend for the bound device: torch does not split either
+            source = None
+        unsplittable = bool(getattr(source, "supports_splitting", False)) and not hasattr(
+            source, "perform_nocolor_split"
+        )
+    if unsplittable:
+        default.bound_device_id = None
+    try:
+        group, _ = dist.new_subgroups_by_enumeration(enumeration, **kwargs)
+    finally:
+        if unsplittable:
+            default.bound_device_id = bound
+    return group
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where tensors for a collective on ``group`` must live: the current CUDA device under NCCL, else the CPU."""
     backend = str(dist.get_backend(group))

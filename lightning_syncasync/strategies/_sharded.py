@@ -26,7 +26,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, check_same_on_every_rank, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms._comm import (
+    broadcast_,
+    check_same_on_every_rank,
+    destroy_groups,
+    exchange_backend,
+    new_subgroups,
+)
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._optim import local_part
@@ -113,9 +119,7 @@ class ShardsInsideNodes:
         self._make_groups(topo, timedelta(seconds=self.peer_timeout_s))
 
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
-        self._cross_group, _ = dist.new_subgroups_by_enumeration(
-            topo.all_cross_node(), timeout=timeout, backend=exchange_backend()
-        )
+        self._cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout, backend=exchange_backend())
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

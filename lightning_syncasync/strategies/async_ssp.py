@@ -598,9 +598,10 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
     """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
     replica's next round would carry the NaN into every other replica.
 
-    On a GPU, reading the check back every step would be a host sync per step; there the flag stays on the device,
-    folded into the round's (``RoundExchange.note_finite``), and the round's end reads it once (raised through
-    :func:`as_divergence`), still before its pseudo-gradient leaves the rank."""
+    On a GPU (any device but the CPU: accelerators run ahead of the host), reading the check back every step would
+    be a host sync per step; there the flag stays on the device, folded into the round's
+    (``RoundExchange.note_finite``), and the round's end reads it once (raised through :func:`as_divergence`), still
+    before its pseudo-gradient leaves the rank."""
 
     def wrapped() -> Any:
         loss = closure()
@@ -608,7 +609,7 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
         if value is None:
             return loss
         scalar = value.numel() == 1  # the usual loss: one kernel fewer on a GPU, no kernel on a CPU
-        if value.is_cuda and rounds is not None:
+        if value.device.type != "cpu" and rounds is not None:
             rounds.note_finite(torch.isfinite(value) if scalar else torch.isfinite(value).all())
             return loss
         if not (math.isfinite(value.item()) if scalar else bool(torch.isfinite(value).all())):

@@ -40,7 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import destroy_groups, new_subgroups
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
@@ -154,7 +154,7 @@ class ShardedAsyncSSPStrategy(
         # The node's ranks, for the round-end agreement only (FSDP's own collectives run on the mesh's groups). On
         # gloo whatever the default backend: the agreement is one host flag per step, and over NCCL it would put a
         # kernel on the GPU and a host sync (reading the flag back) into every step.
-        self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout, backend="gloo")
+        self._node_group = new_subgroups(topo.all_nodes(), timeout=timeout, backend="gloo")
 
     # -- training ----------------------------------------------------------------------------------------------
 

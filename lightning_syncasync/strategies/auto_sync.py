@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend, new_subgroups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
@@ -222,15 +222,11 @@ class AutoSyncStrategy(
         # Every rank creates every group in the same order. Each user of a group is alone on it: DDP's hook (all
         # ranks / the node), the averager (node, cross-node) and the SSP thread never share one.
         self._groups["grad"] = dist.new_group(timeout=timeout)
-        self._groups["grad_node"], _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout)
+        self._groups["grad_node"] = new_subgroups(topo.all_nodes(), timeout=timeout)
         backend = exchange_backend()  # the averager's, the rounds' and the SSP thread's groups
-        self._groups["avg_node"], _ = dist.new_subgroups_by_enumeration(
-            topo.all_nodes(), timeout=timeout, backend=backend
-        )
-        self._groups["cross"], _ = dist.new_subgroups_by_enumeration(
-            topo.all_cross_node(), timeout=timeout, backend=backend
-        )
-        self._groups["eval_cross"], _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        self._groups["avg_node"] = new_subgroups(topo.all_nodes(), timeout=timeout, backend=backend)
+        self._groups["cross"] = new_subgroups(topo.all_cross_node(), timeout=timeout, backend=backend)
+        self._groups["eval_cross"] = new_subgroups(topo.all_cross_node(), timeout=timeout)
         self._groups["ssp"] = dist.new_group(timeout=timeout, backend=backend)
 
     @override

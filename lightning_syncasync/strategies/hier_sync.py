@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend, new_subgroups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -155,19 +155,17 @@ class HierSyncStrategy(
             )
         # Every rank creates every group, in the same order (torch requires it). DDP and the averager get separate
         # node groups so that their collectives never interleave on one group.
-        self._node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+        self._node_group = new_subgroups(topo.all_nodes())
         if self.warmup_steps > 0:
             self._world_grad_group = dist.new_group()  # DDP's hook during warm-up: gradients over every rank
         timeout = timedelta(seconds=self.peer_timeout_s)
         # The averager's groups: its compressed rounds run on a thread (exchange_backend).
         backend = exchange_backend()
-        self._avg_node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), timeout=timeout, backend=backend)
-        self._cross_group, _ = dist.new_subgroups_by_enumeration(
-            topo.all_cross_node(), timeout=timeout, backend=backend
-        )
+        self._avg_node_group = new_subgroups(topo.all_nodes(), timeout=timeout, backend=backend)
+        self._cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout, backend=backend)
         # Validation's mean of the node replicas: its own group, since compressed rounds use _cross_group from a
         # thread at any time.
-        self._eval_cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        self._eval_cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout)
 
     @override
     def _setup_model(self, model: Module) -> Module:

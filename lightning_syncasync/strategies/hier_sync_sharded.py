@@ -40,7 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import destroy_groups, new_subgroups
 from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
@@ -140,7 +140,7 @@ class ShardedHierSyncStrategy(
     @override
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
         super()._make_groups(topo, timeout)
-        self._eval_cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), timeout=timeout)
+        self._eval_cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout)
 
     @property
     @override

@@ -50,7 +50,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import all_gather_state, broadcast_, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms._comm import (
+    all_gather_state,
+    broadcast_,
+    destroy_groups,
+    exchange_backend,
+    new_subgroups,
+)
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
 from lightning_syncasync.algorithms.compressed_hook import RESCALED_METHODS, WARMUP_METHODS, CompressedAllReduce
 from lightning_syncasync.algorithms.compression import Compressor
@@ -221,8 +227,8 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         hook: Callable[..., Any] | None = self._ddp_comm_hook
         state: Any = self._ddp_comm_state
         if self.local_sgd is not None:
-            # Node groups must be created on every rank in the same order; new_subgroups_by_enumeration does that.
-            node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())
+            # Node groups must be created on every rank in the same order; new_subgroups does that.
+            node_group = new_subgroups(topo.all_nodes())
             self._own_groups.append(node_group)
             state = PostLocalSGDState(
                 process_group=None,
@@ -247,8 +253,8 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
             self._own_groups.append(group)
             node_group = cross_group = None
             if topo.spans_nodes() and topo.node_size > 1:
-                node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes(), backend=backend)
-                cross_group, _ = dist.new_subgroups_by_enumeration(topo.all_cross_node(), backend=backend)
+                node_group = new_subgroups(topo.all_nodes(), backend=backend)
+                cross_group = new_subgroups(topo.all_cross_node(), backend=backend)
                 self._own_groups += [node_group, cross_group]
             self._compressed = CompressedAllReduce(
                 compressor, self.sync_stats, flat_scope, group, node_group=node_group, cross_group=cross_group,

@@ -1,8 +1,15 @@
 """What the ``gpu`` tests share: the device they run on and the skip without one.
 
-``SYNCASYNC_GPU_TESTS_DEVICE=cpu`` runs them on the CPU instead (the tests that need CUDA itself still skip): a dry
-run of the tests' own logic on a machine without a GPU. It proves nothing about CUDA; ``scripts/gpu_check.sh`` on a
-GPU does.
+``SYNCASYNC_GPU_TESTS_DEVICE`` picks another device for a machine without a GPU (the tests that need CUDA itself,
+its streams, events and DeepSpeed's kernels, still skip):
+
+* ``emugpu``: an accelerator emulated on the CPU (``tests/_emulated_device.py``). Every tensor the pack should keep
+  on the model's device must be there, an operation that mixes it with a CPU tensor fails as on a GPU, and the host
+  syncs the pack asks for in every step are counted. The default suite runs a selection this way
+  (``tests/test_emulated_gpu.py``);
+* ``cpu``: a dry run of the tests' own logic.
+
+Neither proves anything about CUDA's own behaviour; ``scripts/gpu_check.sh`` on a GPU does.
 """
 
 from __future__ import annotations
@@ -13,14 +20,34 @@ import pytest
 import torch
 
 DEVICE = os.environ.get("SYNCASYNC_GPU_TESTS_DEVICE", "cuda")
+if DEVICE not in ("cuda", "emugpu", "cpu"):
+    raise ValueError(f"SYNCASYNC_GPU_TESTS_DEVICE must be cuda, emugpu or cpu, got {DEVICE!r}")
+CUDA = DEVICE == "cuda"
 DRY_RUN = DEVICE == "cpu"
-ACCELERATOR = "cpu" if DRY_RUN else "gpu"
+EMULATED = DEVICE == "emugpu"
+# The accelerator name _rank_job.py takes (and Lightning, but for emugpu: lightning_accelerator()).
+ACCELERATOR = {"cuda": "gpu", "emugpu": "emugpu", "cpu": "cpu"}[DEVICE]
+if EMULATED:
+    from _emulated_device import install
+
+    install()  # tensors .to("emugpu") in the tests themselves
 
 needs_gpu = pytest.mark.skipif(
-    not DRY_RUN and not torch.cuda.is_available(),
+    CUDA and not torch.cuda.is_available(),
     reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on one)",
 )
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA itself (streams, events)")
+
+
+def lightning_accelerator() -> object:
+    """What a Trainer in the test process takes as ``accelerator=``."""
+    if EMULATED:
+        from _emulated_device import accelerator
+
+        return accelerator()
+    return ACCELERATOR
+
+
 gpu_tests = [pytest.mark.gpu, needs_gpu]
 
 # Tensors the pack keeps on the host on purpose, by the end of their attribute path: the learning rates the SSP
@@ -32,7 +59,7 @@ WIRE_SIDE = (".buffer",)
 
 def misplaced(tensors: list[tuple[str, str, str, int]], backend: str) -> list[str]:
     """The entries of a rank record's ``tensors`` that are not on the test device (nor host-side on purpose)."""
-    want = "cpu" if DRY_RUN else "cuda"
+    want = {"cuda": "cuda", "emugpu": "emugpu", "cpu": "cpu"}[DEVICE]
     bad = []
     for path, device, _, _ in tensors:
         if path.endswith(HOST_SIDE) and device == "cpu":

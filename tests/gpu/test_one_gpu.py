@@ -4,7 +4,7 @@ presets are in ``test_deepspeed_presets.py``, which ``scripts/gpu_check.sh`` run
 from __future__ import annotations
 
 import pytest
-from _gpu import ACCELERATOR, DRY_RUN, gpu_tests, misplaced
+from _gpu import ACCELERATOR, CUDA, DRY_RUN, gpu_tests, lightning_accelerator, misplaced
 from _ranks import run_ranks
 
 from lightning_syncasync.bench.gpu import EXCLUDED_AT_WORLD_SIZE_1
@@ -27,7 +27,7 @@ def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
     (rank,) = run_ranks(tmp_path, name, ACCELERATOR, {}, steps=10, ranks=1)
     assert len(rank["losses"]) == 10
     assert rank["losses"][-1] < rank["losses"][0], "it did not learn"
-    backend = "gloo" if DRY_RUN else "nccl"
+    backend = "nccl" if CUDA else "gloo"
     assert not misplaced(rank["tensors"], backend), misplaced(rank["tensors"], backend)
     # Without SYNCASYNC_EXCHANGE_BACKEND every group the strategy holds is on the job's backend.
     assert set(rank["groups"].values()) <= {backend}, rank["groups"]
@@ -60,7 +60,7 @@ def test_a_nan_loss_on_the_gpu_stops_async_rounds_before_the_round_leaves_the_ra
     from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy, DivergenceError
 
     trainer = Trainer(
-        accelerator=ACCELERATOR,
+        accelerator=lightning_accelerator(),
         devices=1,
         strategy=AsyncSSPStrategy(local_steps=4),
         max_steps=12,
