@@ -85,6 +85,11 @@ class OnDevice(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch passes it
         return f"OnDevice({self.host!r})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Saved as its CPU data, which is how a checkpoint's CUDA tensors come back under Lightning (it loads them
+        # onto the CPU): the pack then has to put them back on the device, as on a GPU.
+        return self.host.__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         return _dispatch(func, args, kwargs or {})

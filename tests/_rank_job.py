@@ -102,6 +102,18 @@ class _Report(Callback):
         self.groups = {k: str(dist.get_backend(g)) for k, g in held.items() if isinstance(g, dist.ProcessGroup)}
 
 
+class _SaveAt(Callback):
+    """A checkpoint after a given step, inside the fit as ``ModelCheckpoint`` takes one: the strategies make theirs
+    at a consistent cut, which changes the run that goes on, so a resumed run is compared with the run that saved."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 # tests/_emulated_device.py, when the job runs on the emulated accelerator.
 _EMULATED: Any = None
 
@@ -231,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=2, choices=(1, 2))
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--adaptive-batch", action="store_true", help="with AdaptiveBatchSize (per-rank batch weights)")
+    p.add_argument("--save", default=None, help="save a checkpoint here after step --save-step (every rank calls)")
+    p.add_argument("--save-step", type=int, default=None, help="the step after which --save is written")
+    p.add_argument("--resume", default=None, help="resume the fit from this checkpoint (up to --steps in all)")
+    # Lightning resumes a fit stopped by max_steps inside its epoch, where the sampler's order is not the one the
+    # uninterrupted run takes: with epochs of this many steps, the fit ends by its epoch count (--steps in all) and a
+    # checkpoint falls at an epoch's end, so a resumed run sees the uninterrupted one's batches.
+    p.add_argument("--epoch-steps", type=int, default=None, help="batches per epoch; the fit ends on epochs")
     args = p.parse_args(argv)
 
     from lightning.pytorch.strategies import StrategyRegistry
@@ -247,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     report = _Report()
     syncs = _HostSyncs(args.steps)
     callbacks: list[Callback] = [report] + ([syncs] if args.accelerator in ("gpu", "cuda", "emugpu") else [])
+    if args.save:
+        callbacks.append(_SaveAt(args.save_step, args.save))
     if args.adaptive_batch:
         from lightning_syncasync.callbacks import AdaptiveBatchSize
 
@@ -266,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         # "warn": deterministic kernels where torch has them, a warning (not an error) where it has none.
         deterministic="warn" if args.deterministic else False,
         strategy=strategy,
-        max_steps=args.steps,
-        max_epochs=100,  # max_steps ends the fit (claimed batches split an epoch unevenly)
+        # max_steps ends the fit (claimed batches split an epoch unevenly), or with --epoch-steps the epoch count.
+        max_steps=args.steps if args.epoch_steps is None else -1,
+        max_epochs=100 if args.epoch_steps is None else args.steps // args.epoch_steps,
+        limit_train_batches=args.epoch_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -276,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=args.resume)
     rank = trainer.global_rank
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     torch.save(

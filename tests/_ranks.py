@@ -49,6 +49,10 @@ class RankJob:
         deterministic: bool = False,
         timeout_s: float = 120.0,
         adaptive_batch: bool = False,
+        save: Path | None = None,
+        save_step: int | None = None,
+        resume: Path | None = None,
+        epoch_steps: int | None = None,
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.strategy, self.accelerator, self.ranks = out, strategy, accelerator, ranks
@@ -75,6 +79,9 @@ class RankJob:
             cmd += ["--options", json.dumps(options or {}), "--steps", str(steps), "--out", str(out)]
             cmd += ["--ranks", str(ranks)] + (["--deterministic"] if deterministic else [])
             cmd += ["--adaptive-batch"] if adaptive_batch else []
+            cmd += ["--save", str(save), "--save-step", str(save_step)] if save is not None else []
+            cmd += ["--resume", str(resume)] if resume is not None else []
+            cmd += ["--epoch-steps", str(epoch_steps)] if epoch_steps is not None else []
             self.procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
 
     def wait(self) -> list[dict[str, Any]]:
