@@ -114,7 +114,9 @@ def _emulator_refuses_what_a_gpu_refuses(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_the_emulated_device_refuses_mixed_devices_and_counts_host_syncs():
-    results = run_distributed(_emulator_refuses_what_a_gpu_refuses, 2)
+    # spawn: autograd's engine sizes its per-device queues once per process, and a forked child of this suite
+    # inherits an engine started before the device existed.
+    results = run_distributed(_emulator_refuses_what_a_gpu_refuses, 2, start_method="spawn")
     for rank, r in enumerate(results):
         assert r["factory"] == ("OnDevice", "emugpu:0", "emugpu:0", "emugpu:0")
         assert (r["add"], r["cat"], r["in place"]) == ("refused", "refused", "refused")
