@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -100,6 +101,49 @@ class _Report(Callback):
             **{f"_groups[{k!r}]": g for k, g in getattr(trainer.strategy, "_groups", {}).items()},
         }
         self.groups = {k: str(dist.get_backend(g)) for k, g in held.items() if isinstance(g, dist.ProcessGroup)}
+
+
+class _DeviceOps(Callback):
+    """The operations on device tensors the training thread dispatches in each steady step (as ``_HostSyncs``
+    watches), views excepted: on a GPU each one is a kernel the host launches, so what a strategy adds to plain
+    Lightning's count is device work, and host time, that it adds to every step. Counted by a dispatch mode, which
+    autograd carries into its backward threads."""
+
+    def __init__(self, steps: int) -> None:
+        self.watched = range(2, steps - 1)
+        self.per_step: list[int] = []
+        self._mode: Any = None
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step in self.watched:
+            self._mode = _CountDeviceOps()
+            self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.per_step.append(self._mode.count)
+            self._mode = None
+
+
+def _is_view(func: Any) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+class _CountDeviceOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not _is_view(func):
+            tensors = [t for t in (*args, *(kwargs or {}).values(), out) if isinstance(t, torch.Tensor)]
+            made_on = (kwargs or {}).get("device")  # a factory
+            if any(t.device.type != "cpu" for t in tensors) or (made_on and torch.device(made_on).type != "cpu"):
+                self.count += 1
+        return out
 
 
 class _SaveAt(Callback):
@@ -258,14 +302,18 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     seed_everything(args.seed, workers=True)
-    entry = StrategyRegistry[args.strategy]
-    options = {**entry["init_params"], **json.loads(args.options)}
-    if args.ranks > 1:
-        options["process_group_backend"] = "gloo"  # two ranks on one GPU: NCCL cannot put both on one device
-    strategy = entry["strategy"](**options)
+    strategy: Any = "auto"  # "auto": plain Lightning (one device), the reference for the pack's added device work
+    if args.strategy != "auto":
+        entry = StrategyRegistry[args.strategy]
+        options = {**entry["init_params"], **json.loads(args.options)}
+        if args.ranks > 1:
+            options["process_group_backend"] = "gloo"  # two ranks on one GPU: NCCL cannot put both on one device
+        strategy = entry["strategy"](**options)
     report = _Report()
     syncs = _HostSyncs(args.steps)
-    callbacks: list[Callback] = [report] + ([syncs] if args.accelerator in ("gpu", "cuda", "emugpu") else [])
+    ops = _DeviceOps(args.steps)
+    on_device = args.accelerator in ("gpu", "cuda", "emugpu")
+    callbacks: list[Callback] = [report] + ([syncs, ops] if on_device else [])
     if args.save:
         callbacks.append(_SaveAt(args.save_step, args.save))
     if args.adaptive_batch:
@@ -280,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 
         _EMULATED = _emulated_device
         accelerator = _emulated_device.accelerator()
+        if strategy == "auto":  # Lightning's "auto" puts a one-device run of an accelerator it does not know on the CPU
+            from lightning.pytorch.strategies import SingleDeviceStrategy
+
+            strategy = SingleDeviceStrategy(device=_emulated_device.install())
     trainer = Trainer(
         accelerator=accelerator,
         devices=1,
@@ -309,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             "losses": [float(x) for x in model.losses],
             "tensors": report.tensors,
             "syncs": syncs.syncs,
+            "device_ops": ops.per_step,
             "groups": report.groups,
         },
         Path(args.out) / f"rank{rank}.pt",

@@ -599,8 +599,8 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
     replica's next round would carry the NaN into every other replica.
 
     On a GPU (any device but the CPU: accelerators run ahead of the host), reading the check back every step would
-    be a host sync per step; there the flag stays on the device, folded into the round's
-    (``RoundExchange.note_finite``), and the round's end reads it once (raised through :func:`as_divergence`), still
+    be a host sync per step; there the losses are summed on the device over the round
+    (``RoundExchange.note_loss``), and the round's end reads the sum once (raised through :func:`as_divergence`), still
     before its pseudo-gradient leaves the rank."""
 
     def wrapped() -> Any:
@@ -608,9 +608,9 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
         value = loss.detach() if isinstance(loss, torch.Tensor) else None
         if value is None:
             return loss
-        scalar = value.numel() == 1  # the usual loss: one kernel fewer on a GPU, no kernel on a CPU
+        scalar = value.numel() == 1  # the usual loss: no kernel on a CPU
         if value.device.type != "cpu" and rounds is not None:
-            rounds.note_finite(torch.isfinite(value) if scalar else torch.isfinite(value).all())
+            rounds.note_loss(value)
             return loss
         if not (math.isfinite(value.item()) if scalar else bool(torch.isfinite(value).all())):
             where = f"round {rounds.launched}" if rounds is not None else "a step"

@@ -235,8 +235,8 @@ def _nonfinite(rank: int, world: int) -> dict:
     for step in range(12):
         with torch.no_grad():
             w[0].sub_(1.0)
-        # A device flag per step, as finite_closure keeps it on a GPU: step 6 (round 1) had a NaN loss.
-        ex.note_finite(torch.tensor(step != 6))
+        # Each step's loss, as finite_closure hands it over on a GPU: step 6 (round 1) had a NaN loss.
+        ex.note_loss(torch.tensor(float("nan") if step == 6 else 1.0))
         try:
             ex.after_step()
         except NonFiniteRoundError as err:

@@ -3,6 +3,8 @@ presets are in ``test_deepspeed_presets.py``, which ``scripts/gpu_check.sh`` run
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from _gpu import ACCELERATOR, CUDA, DRY_RUN, gpu_tests, lightning_accelerator, misplaced
 from _ranks import run_ranks
@@ -21,9 +23,21 @@ def test_the_one_rank_list_is_every_replica_strategy():
     assert {"hier_sync", "async_ssp", "auto_sync", "ddp_measured"} <= set(ONE_RANK)
 
 
+# Device operations (kernels on a GPU) a strategy may add to plain Lightning's in a typical step at one rank
+# (the median of the steady steps): async_ssp sums each step's loss for its once-per-round finite check.
+ADDED_DEVICE_OPS = {"async_ssp": 1}
+
+
+@pytest.fixture(scope="module")
+def plain_device_ops(tmp_path_factory: pytest.TempPathFactory) -> float | None:
+    """Plain Lightning's device operations per steady step on one device (the reference of the test below)."""
+    (rank,) = run_ranks(tmp_path_factory.mktemp("plain"), "auto", ACCELERATOR, {}, steps=10, ranks=1)
+    return statistics.median(rank["device_ops"]) if rank["device_ops"] else None
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ONE_RANK)
-def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
+def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name, plain_device_ops):
     (rank,) = run_ranks(tmp_path, name, ACCELERATOR, {}, steps=10, ranks=1)
     assert len(rank["losses"]) == 10
     assert rank["losses"][-1] < rank["losses"][0], "it did not learn"
@@ -36,6 +50,10 @@ def test_each_strategy_trains_on_one_gpu_with_its_state_there(tmp_path, name):
     # GPU once per window (SyncSwitcher's decisions) is allowed: it costs one sync per window, not per step.
     every_step = {where: steps for where, steps in rank["syncs"].items() if len(steps) >= 7}  # steps 2..8 watched
     assert not every_step, rank["syncs"]
+    # Nor device work of its own in a typical step beyond what it needs (each kernel is host time on a GPU).
+    if plain_device_ops is not None:
+        added = statistics.median(rank["device_ops"]) - plain_device_ops
+        assert added <= ADDED_DEVICE_OPS.get(name, 0), (name, rank["device_ops"], plain_device_ops)
 
 
 @pytest.mark.timeout(180)
