@@ -281,9 +281,12 @@ class RoundExchange:
         one host sync per round instead of one per step, which on a GPU would stop the host from queueing ahead.
 
         A sum, because a NaN or an infinity in any term leaves it non-finite (``inf - inf`` is NaN), and it costs one
-        device operation per step (none in a round's first); ``torch.isfinite`` at every step would cost five. Only
-        finite losses summing past the dtype's range (3.4e38 in fp32) would be refused as well: a diverged run."""
+        device operation per step (none in a round's first); ``torch.isfinite`` at every step would cost five. The
+        sum is kept in fp32 (a 16-bit loss is cast: fp16 overflows at 65504), so only finite losses summing past
+        3.4e38 would be refused as well: a diverged run."""
         loss = loss if loss.numel() == 1 else loss.sum()
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
         self._losses = loss if self._losses is None else self._losses + loss
 
     def cut(self, stop: bool = False) -> bool:

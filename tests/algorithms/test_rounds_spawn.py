@@ -246,6 +246,25 @@ def _nonfinite(rank: int, world: int) -> dict:
     return {"raised": raised, "launched": ex.launched}
 
 
+def _large_half_losses(rank: int, world: int) -> int:
+    w = [torch.zeros(4)]
+    ex = RoundExchange(w, dist.new_group(), local_steps=4, staleness=1, dynamic=False)
+    ex.start()
+    for _ in range(4):
+        with torch.no_grad():
+            w[0].sub_(1.0)
+        ex.note_loss(torch.tensor(30000.0, dtype=torch.float16))  # four of them sum past fp16's 65504
+        ex.after_step()
+    ex.cut(stop=True)
+    return ex.launched
+
+
+@pytest.mark.timeout(60)
+def test_large_finite_half_precision_losses_do_not_stop_a_round():
+    # The round's sum is kept in fp32: in fp16 it would be inf, and a finite run would be stopped as diverged.
+    assert run_distributed(_large_half_losses, 1) == [2]  # the round of the 4 steps, then the cut's
+
+
 @pytest.mark.timeout(60)
 def test_a_round_with_a_non_finite_loss_is_refused_at_its_end_and_never_launched():
     (res,) = run_distributed(_nonfinite, 1)
