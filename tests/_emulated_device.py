@@ -20,15 +20,17 @@ operation to the CPU data (:class:`OnDevice`). A ``cuda`` device cannot be emula
 has no device guard for it, and autograd aborts the process), so the pack's CUDA-only branches (side streams, timing
 events, the compiled codec) stay for the ``gpu`` tests; everything that should follow the model's device is checked.
 
-The backend is set up once per process and renames a process-wide slot: call :func:`emulated_device` in a rank
-process of ``lightning_syncasync.testing.run_distributed``, not in the test runner.
+The backend is set up once per process and renames a process-wide slot, so :func:`install` runs in child processes
+only: the rank jobs of ``tests/_rank_job.py`` (``--accelerator emugpu``, with :func:`accelerator` for Lightning), a
+pytest of ``tests/gpu`` with ``SYNCASYNC_GPU_TESTS_DEVICE=emugpu``, the ranks of ``run_distributed``. (A forked child
+of a process that has run a backward pass cannot train on it: autograd's engine sized its per-device queues before
+the device existed.)
 
 Usage::
 
-    with emulated_device() as device:
-        w = [torch.zeros(7, device=device)]
-        ...  # the pack's algorithms on those tensors
-        result = to_host(w)  # CPU copies, to return from the rank
+    device = install()
+    w = [torch.zeros(7, device=device)]
+    ...  # the pack's algorithms on those tensors; w[0].host is the CPU data
 """
 
 from __future__ import annotations
@@ -191,37 +193,6 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         _sync("copy to the host")
     _host(dst).copy_(_host(src))
     return dst
-
-
-def to_host(tree: Any) -> Any:
-    """``tree`` with every device tensor replaced by a CPU copy (to return results from a rank)."""
-    return tree_map(lambda t: t.host.clone() if isinstance(t, OnDevice) else t, tree)
-
-
-def misplaced(tree: Any, expect: torch.device) -> list[str]:
-    """The paths in ``tree`` (nested dicts, lists, objects' ``__dict__``) of tensors that are not on ``expect``."""
-    bad: list[str] = []
-    seen: set[int] = set()
-
-    def walk(x: Any, path: str) -> None:
-        if id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, torch.Tensor):
-            if x.device != expect:
-                bad.append(f"{path}: {x.device}")
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{path}[{k!r}]")
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(v, f"{path}[{i}]")
-        elif hasattr(x, "__dict__") and type(x).__module__.startswith("lightning_syncasync"):
-            for k, v in vars(x).items():
-                walk(v, f"{path}.{k}")
-
-    walk(tree, "")
-    return bad
 
 
 def accelerator() -> Any:
