@@ -1,15 +1,18 @@
-"""One rank of a one- or two-rank Lightning fit, started the way torchrun starts ranks (environment variables, no
-launcher of Lightning's): the device tests run these on the CPU, or sharing one GPU over gloo.
+"""One rank of a Lightning fit of 1, 2 or 4 ranks, started the way torchrun starts ranks (environment variables, no
+launcher of Lightning's): the device tests run these on the CPU, sharing one GPU over gloo, or on the accelerator
+emulated on the CPU (``--accelerator emugpu``, ``tests/_emulated_device.py``).
 
     python tests/_rank_job.py --accelerator cuda --strategy hier_sync --options '{"compression": "int8"}' --out DIR
 
-On CUDA it also records the host syncs this package's code makes during the steady steps (``_HostSyncs``).
+On a device it also records the host syncs this package's code makes during the steady steps (``_HostSyncs``) and,
+at one rank, the device operations of each steady step (``_DeviceOps``).
 
 Each rank trains the same small model with a BatchNorm (buffers to keep in sync) for ``--steps`` steps on ``--ranks``
-nodes of 1 rank (``num_nodes=2, devices=1``: every strategy's cross-node path runs; with ``--ranks 1`` the strategy
-keeps its default backend, NCCL on a GPU), then writes ``DIR/rank{R}.pt``: the final
-parameters and buffers (on the CPU), the losses, and every tensor the pack's objects hold at the last step (their
-path, device type, dtype and size), found by :func:`owned_tensors`.
+nodes of 1 rank (``num_nodes=2, devices=1``: every strategy's cross-node path runs; a strategy's ``node_size`` can
+group them; with ``--ranks 1`` the strategy keeps its default backend, NCCL on a GPU), then writes
+``DIR/rank{R}.pt``: the final parameters and buffers (on the CPU), the losses, and every tensor the pack's objects
+hold at the last step (their path, device type, dtype and size), found by :func:`owned_tensors`. ``--save`` and
+``--resume`` take a checkpoint mid-fit and resume from it; ``--strategy auto`` is plain Lightning.
 """
 
 from __future__ import annotations
@@ -284,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    p.add_argument("--ranks", type=int, default=2, choices=(1, 2))
+    # Nodes of one device each (a strategy's node_size can group them: 4 ranks as 2 nodes of 2).
+    p.add_argument("--ranks", type=int, default=2, choices=(1, 2, 4))
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--adaptive-batch", action="store_true", help="with AdaptiveBatchSize (per-rank batch weights)")
     p.add_argument("--save", default=None, help="save a checkpoint here after step --save-step (every rank calls)")
