@@ -299,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     # checkpoint falls at an epoch's end, so a resumed run sees the uninterrupted one's batches.
     p.add_argument("--epoch-steps", type=int, default=None, help="batches per epoch; the fit ends on epochs")
     args = p.parse_args(argv)
+    if args.save and args.save_step is None:
+        p.error("--save needs --save-step")
+    if args.epoch_steps is not None and args.steps % args.epoch_steps:
+        p.error("--steps must be a whole number of --epoch-steps")
 
     from lightning.pytorch.strategies import StrategyRegistry
 
