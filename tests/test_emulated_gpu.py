@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync.bench.gpu import summarise_junit
 from lightning_syncasync.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ SELECTION = [
 ]
 
 
-def _pytest_gpu_tests(tmp_path: Path, selection: list[str]) -> dict[str, int]:
+def _pytest_gpu_tests(tmp_path: Path, selection: list[str]) -> dict[str, Any]:
     """Run ``selection`` of tests/gpu on the emulated device in a child pytest; its counts from the JUnit file."""
     junit = tmp_path / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
@@ -55,11 +56,10 @@ def _pytest_gpu_tests(tmp_path: Path, selection: list[str]) -> dict[str, int]:
         raise AssertionError(
             f"pytest left no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
         )
-    suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite is not None
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    assert proc.returncode == 0 and counts["failures"] == counts["errors"] == 0, proc.stdout[-8000:]
-    return counts
+    summary = summarise_junit(junit)  # the GPU check's own reading of a JUnit file
+    failed = [c for c in summary["cases"] if c["outcome"] in ("failed", "error")]
+    assert proc.returncode == 0 and not failed, failed or proc.stdout[-8000:]
+    return summary
 
 
 @pytest.mark.timeout(400)

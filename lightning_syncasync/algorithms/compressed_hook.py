@@ -207,6 +207,11 @@ class CompressedAllReduce:
             own = {int(i): v.detach().float().cpu() for i, v in state["residuals"].items()}
             layouts = {(which, key): layout for which, key, layout in state.get("layouts", [])}
             group_rank, local = (r // k, r % k) if node_size else (r, 0)
+            saved_rms = state.get("rms", {})  # the warm-up's frozen RMS, the same on every rank
+
+            def rms(i: int, n: int, device: torch.device, saved: Any = saved_rms) -> torch.Tensor:
+                return saved[i].detach().float().to(device)
+
             for which in ("main", "warmup"):
                 comp = state["compressor"] if which == "main" else state.get("warmup", {})
                 for key, server in comp.get("server_residuals", {}).items():
@@ -220,11 +225,6 @@ class CompressedAllReduce:
                     held = torch.zeros(layout[1], device="cpu")
                     add_server_residual_(held, server.detach().float().cpu(), group_world, group_rank)
                     # ... and as _fold_unused: at this local rank's node shard, in units of one rank's input.
-                    saved_rms = state.get("rms", {})  # the warm-up's frozen RMS, the same on every rank
-
-                    def rms(i: int, n: int, device: torch.device, saved: Any = saved_rms) -> torch.Tensor:
-                        return saved[i].detach().float().to(device)
-
                     _fold_into(own, held, layout, local, k, rms)
             for i, v in own.items():
                 total[i] = total[i] + v if i in total else v

@@ -69,3 +69,18 @@ def misplaced(tensors: list[tuple[str, str, str, int]], backend: str) -> list[st
         if device != want:
             bad.append(f"{path} on {device}")
     return bad
+
+
+# The multi-rank tests' shared settings: rounds that end at fixed steps (deterministic), the steps of a job, and the
+# relative distance ||gpu - cpu|| / ||cpu|| allowed after them: fp32 reassociation for the exact paths; the
+# quantisers can round an element the other way when its value moves by an ulp.
+ROUNDS = {"local_steps": 2, "staleness": 1, "dynamic_local_steps": False}
+STEPS = 12
+TOLERANCE = {"int8": 5e-3, "powersgd": 5e-3, "sign": 5e-2}
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """``||a - b|| / ||b||`` over the floating-point entries of two state dicts."""
+    keys = [k for k in a if a[k].is_floating_point()]
+    diff = torch.cat([(a[k].float() - b[k].float()).reshape(-1) for k in keys]).norm()
+    return float(diff / torch.cat([b[k].float().reshape(-1) for k in keys]).norm())

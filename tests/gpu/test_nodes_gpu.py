@@ -8,9 +8,8 @@ eight processes (the GPU run and its CPU reference), so ``scripts/gpu_check.sh``
 from __future__ import annotations
 
 import pytest
-from _gpu import ACCELERATOR, gpu_tests, misplaced
+from _gpu import ACCELERATOR, STEPS, TOLERANCE, distance, gpu_tests, misplaced
 from _ranks import RankJob
-from test_shared_gpu import STEPS, TOLERANCE, _distance
 
 pytestmark = gpu_tests
 
@@ -36,4 +35,4 @@ def test_two_nodes_of_two_ranks_on_one_gpu_match_the_cpu_and_keep_their_shards_o
         assert any(state in t[0] for t in rank["tensors"]), (state, [t[0] for t in rank["tensors"]])
     for g, c in zip(gpu, cpu, strict=True):
         assert g["losses"][0] == pytest.approx(c["losses"][0], rel=1e-4)
-        assert _distance(g["state"], c["state"]) < TOLERANCE["int8"], case
+        assert distance(g["state"], c["state"]) < TOLERANCE["int8"], case

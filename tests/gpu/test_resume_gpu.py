@@ -6,9 +6,8 @@ after the others."""
 from __future__ import annotations
 
 import pytest
-from _gpu import ACCELERATOR, gpu_tests, misplaced
+from _gpu import ACCELERATOR, ROUNDS, STEPS, TOLERANCE, distance, gpu_tests, misplaced
 from _ranks import RankJob
-from test_shared_gpu import ROUNDS, STEPS, TOLERANCE, _distance
 
 pytestmark = gpu_tests
 
@@ -33,4 +32,4 @@ def test_a_checkpoint_resumes_with_the_strategys_state_on_the_gpu(tmp_path, case
         assert not misplaced(a["tensors"], "gloo"), misplaced(a["tensors"], "gloo")
         assert len(a["losses"]) == STEPS - half, "the resumed fit did not start where the first one stopped"
         # The same trajectory, within what CUDA's arithmetic can change (the CPU's tests check exact resume).
-        assert _distance(a["state"], b["state"]) < TOLERANCE[options["compression"]], case
+        assert distance(a["state"], b["state"]) < TOLERANCE[options["compression"]], case

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import ACCELERATOR, EMULATED, gpu_tests, misplaced
+from _gpu import ACCELERATOR, EMULATED, ROUNDS, STEPS, TOLERANCE, distance, gpu_tests, misplaced
 from _ranks import RankJob
 
 pytestmark = gpu_tests
 
-ROUNDS = {"local_steps": 2, "staleness": 1, "dynamic_local_steps": False}  # deterministic rounds
 STRATEGIES = {
     "hier_sync": ("hier_sync", {"inter_period": 2}),  # 2 nodes of 1 rank: the cross-node averager runs
     "async_ssp": ("async_ssp", {**ROUNDS, "claim_batches": False}),
@@ -24,16 +23,6 @@ STRATEGIES = {
     "ddp_measured": ("ddp_measured", {}),  # compressed DDP buckets (CompressedAllReduce)
 }
 METHODS = ("int8", "sign", "powersgd")
-# Relative distance ||gpu - cpu|| / ||cpu|| allowed after 12 steps: fp32 reassociation for the exact paths; the
-# quantisers can round an element the other way when its value moves by an ulp.
-TOLERANCE = {"int8": 5e-3, "powersgd": 5e-3, "sign": 5e-2}
-STEPS = 12
-
-
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    keys = [k for k in a if a[k].is_floating_point()]
-    diff = torch.cat([(a[k].float() - b[k].float()).reshape(-1) for k in keys]).norm()
-    return float(diff / torch.cat([b[k].float().reshape(-1) for k in keys]).norm())
 
 
 @pytest.mark.timeout(300)
@@ -53,7 +42,7 @@ def test_two_ranks_on_one_gpu_match_the_cpu_and_keep_their_state_on_the_gpu(tmp_
     # The same first loss (same model, same batch), then the same trajectory within the tolerance.
     for g, c in zip(gpu, cpu, strict=True):
         assert g["losses"][0] == pytest.approx(c["losses"][0], rel=1e-4)
-        assert _distance(g["state"], c["state"]) < TOLERANCE[method], (case, method)
+        assert distance(g["state"], c["state"]) < TOLERANCE[method], (case, method)
     # Both ranks end with one model, bit for bit (the end-of-fit cut), DDP's BatchNorm statistics excepted (DDP
     # broadcasts them before each forward, and the last forward updates each rank's own).
     for key, value in gpu[0]["state"].items():
