@@ -73,12 +73,13 @@ KILL_CASES = [("ddp", "none"), ("hier_sync", "none"), ("async_ssp", "none"), ("a
               ("auto_sync", "int8"), ("hier_sync_sharded", "none"), ("async_ssp_sharded", "none")]  # fmt: skip
 # Ranks per job: the sharded strategies need nodes of 2 or more ranks (4 ranks as 2 virtual nodes of 2).
 RANKS = {"hier_sync_sharded": 4, "async_ssp_sharded": 4}
-# The default run (CI: under 15 minutes on 2 cores) keeps one case per compression path, async_ssp and one sharded
-# strategy (plain ddp's watchdog is in the default run through the store-host and raising-rank tests below); the rest
-# run with `-m slow` (about 15 s each; the sharded ones, 4 ranks on 2 cores, near 20 s).
+# The default run (CI: under 15 minutes on 2 cores) keeps one case per exchange: async rounds (async_ssp), the
+# compressed DDP hook (ddp_measured int8) and the averager (hier_sync_sharded: hier_sync's DelayedAverager and
+# watchdog, with FSDP2 inside the nodes); plain ddp's watchdog is in the default run through the store-host and
+# raising-rank tests below. The rest run with `-m slow` (10-15 s each; the sharded ones, 4 ranks on 2 cores, near 20 s).
 _SLOW = pytest.mark.slow
 _SLOW_KILLS = {("ddp", "none"), ("hier_sync", "none"), ("auto_sync", "none"), ("async_ssp", "int8"),
-               ("auto_sync", "int8"), ("async_ssp_sharded", "none")}  # fmt: skip
+               ("auto_sync", "int8"), ("hier_sync", "int8"), ("async_ssp_sharded", "none")}  # fmt: skip
 KILL_PARAMS = [pytest.param(s, c, marks=_SLOW) if (s, c) in _SLOW_KILLS else (s, c) for s, c in KILL_CASES]
 HUNG_PARAMS = [pytest.param(s, marks=_SLOW) if s != "async_ssp" else s
                for s in ("ddp", "hier_sync", "async_ssp", "auto_sync")]  # fmt: skip
