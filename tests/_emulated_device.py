@@ -195,6 +195,14 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
+def single_device_strategy() -> Any:
+    """Plain Lightning's one-device strategy on the emulated device: Lightning's ``"auto"`` puts a one-device run of
+    an accelerator it does not know on the CPU."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    return SingleDeviceStrategy(device=install())
+
+
 def accelerator() -> Any:
     """A Lightning accelerator for the device (built here so that importing this module does not import Lightning)."""
     from lightning.pytorch.accelerators import Accelerator

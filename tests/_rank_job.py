@@ -340,10 +340,8 @@ def main(argv: list[str] | None = None) -> int:
 
         _EMULATED = _emulated_device
         accelerator = _emulated_device.accelerator()
-        if strategy == "auto":  # Lightning's "auto" puts a one-device run of an accelerator it does not know on the CPU
-            from lightning.pytorch.strategies import SingleDeviceStrategy
-
-            strategy = SingleDeviceStrategy(device=_emulated_device.install())
+        if strategy == "auto":
+            strategy = _emulated_device.single_device_strategy()
     trainer = Trainer(
         accelerator=accelerator,
         devices=1,

@@ -28,12 +28,13 @@ if not hasattr(torch.utils.backend_registration, "_setup_privateuseone_for_pytho
     # The torch the README pins (2.13) has it; a torch without it cannot host the emulated device at all.
     pytest.skip("this torch cannot set up a device backend from Python", allow_module_level=True)
 
-# The default suite's share (about 35 s on 2 cores; the whole of tests/gpu takes about 4 minutes emulated, in the
+# The default suite's share (about 40 s on 2 cores; the whole of tests/gpu takes about 4 minutes emulated, in the
 # slow test below). Chosen for what each covers: one rank of async_ssp (its steady steps' host syncs); two ranks of
 # hier_sync (its subgroups, which failed under a gloo job bound to a device) and of ddp_measured with PowerSGD (the
 # compressed DDP hook's buffers, staged through gloo); auto_sync's switcher without a host sync per step; a NaN loss
-# caught on the device's flag; the codecs. The per-step SSP exchange's state and a resumed async run (9 s each,
-# 13 s in all) run with the rest in the slow test: the suite must stay under 15 minutes on CI's 2 cores.
+# caught on the device's flag; the codecs; SyncMonitor's wait for the device. The per-step SSP exchange's state and
+# a resumed async run (13 s together) run with the rest in the slow test: the suite must stay under 15 minutes on
+# CI's 2 cores.
 SELECTION = [
     "tests/gpu/test_one_gpu.py::test_each_strategy_trains_on_one_gpu_with_its_state_there[async_ssp]",
     "tests/gpu/test_one_gpu.py::test_a_nan_loss_on_the_gpu_stops_async_rounds_before_the_round_leaves_the_rank",
@@ -41,6 +42,8 @@ SELECTION = [
     "tests/gpu/test_shared_gpu.py::test_two_ranks_on_one_gpu_match_the_cpu_and_keep_their_state_on_the_gpu[ddp_measured-powersgd]",
     "tests/gpu/test_shared_gpu.py::test_auto_sync_with_its_switcher_makes_no_host_sync_per_step",
     "tests/gpu/test_cuda_timing.py::test_the_codecs_give_on_the_gpu_what_they_give_on_the_cpu",
+    "tests/gpu/test_cuda_timing.py::test_sync_monitor_waits_for_the_accelerator_at_each_steps_end_only_when_asked[True]",
+    "tests/gpu/test_cuda_timing.py::test_sync_monitor_waits_for_the_accelerator_at_each_steps_end_only_when_asked[False]",
 ]
 
 

@@ -81,10 +81,11 @@ class SyncMonitor(Callback):
             rebuild, cold caches) that would blur a throughput comparison of short runs.
         summary_file: if set, rank 0 also writes :attr:`summary` there as JSON. With ``spawn`` start methods the
             callback runs in child processes, so this file is how the launching process gets the figures.
-        cuda_sync: on a GPU, synchronise the device when a step ends (and when validation ends) before reading the
-            clock, as Lightning's ``ThroughputMonitor`` does: CUDA kernels run after the host has moved on, so host
-            clocks alone time the launches, not the step. It costs the host's lead of up to one step over the GPU
-            (``scripts/gpu_check.sh`` measures it: its ``auto+sync_monitor`` row). Waits on CUDA streams are timed by
+        cuda_sync: on a GPU (or any accelerator of ``torch.accelerator``: XPU, MPS, ...), synchronise the device
+            when a step ends (and when validation ends) before reading the clock, as Lightning's
+            ``ThroughputMonitor`` does: kernels run after the host has moved on, so host clocks alone time the
+            launches, not the step. It costs the host's lead of up to one step over the GPU (``scripts/gpu_check.sh``
+            measures it: its ``auto+sync_monitor`` row). Waits on CUDA streams are timed by
             events either way (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch
             times, and only sums over many steps are the GPU's (the host cannot run more than its launch queue
             ahead); a wait on a CUDA stream is counted in the first step at whose end the GPU has passed it
@@ -348,10 +349,17 @@ class SyncMonitor(Callback):
         _print_summary(self.summary)
 
     def _synchronize(self, pl_module: pl.LightningModule) -> None:
-        """On a GPU, wait for the device's queued work, so the clock read next is the step's end (``cuda_sync``)."""
+        """On a GPU, wait for the device's queued work, so the clock read next is the step's end (``cuda_sync``).
+
+        Any accelerator torch knows as the machine's (``torch.accelerator``: CUDA, ROCm, XPU, MPS, a PrivateUse1
+        backend) queues work the same way, so the wait is the accelerator's own ``synchronize``, not CUDA's alone.
+        """
         device = pl_module.device
-        if self.cuda_sync and device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if not self.cuda_sync or device.type == "cpu":
+            return
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == device.type:
+            torch.accelerator.synchronize(device)
 
     def _accumulate(self, stats: StepStats) -> None:
         self._samples_seen += stats.samples

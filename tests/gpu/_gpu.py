@@ -48,6 +48,15 @@ def lightning_accelerator() -> object:
     return ACCELERATOR
 
 
+def lightning_strategy() -> object:
+    """What a one-device Trainer in the test process takes as ``strategy=`` for plain Lightning."""
+    if EMULATED:
+        from _emulated_device import single_device_strategy
+
+        return single_device_strategy()
+    return "auto"
+
+
 gpu_tests = [pytest.mark.gpu, needs_gpu]
 
 # Tensors the pack keeps on the host on purpose, by the end of their attribute path: the learning rates the SSP

@@ -4,11 +4,21 @@ CPU's and the eager ones."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 import torch
-from _gpu import ACCELERATOR, DEVICE, EMULATED, gpu_tests, needs_cuda
+from _gpu import (
+    ACCELERATOR,
+    DEVICE,
+    DRY_RUN,
+    EMULATED,
+    gpu_tests,
+    lightning_accelerator,
+    lightning_strategy,
+    needs_cuda,
+)
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -153,6 +163,40 @@ def test_sync_monitor_times_the_gpus_step_not_its_launch():
     per_step = 1.0 / ranks[0]["samples_per_s"] * 8  # seconds per step of 8 samples
     # At least most of the 30 ms the GPU spends (the cycle count is calibrated, within a few percent).
     assert per_step > 0.024, f"{per_step:.4f}s per step: the monitor read the clock before the GPU was done"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cuda_sync", [True, False])
+def test_sync_monitor_waits_for_the_accelerator_at_each_steps_end_only_when_asked(monkeypatch, tmp_path, cuda_sync):
+    from _models import TinyModel
+
+    # torch.accelerator.synchronize itself, with the monitor's calls counted: the wait is the accelerator's own, so
+    # XPU and MPS steps are timed as CUDA's are. The emulated device runs every operation before it returns, so it has
+    # nothing to wait for, and a device guard set up from Python cannot synchronise ("Backend doesn't support
+    # synchronizing all streams on device"): there the call is counted only.
+    waits: list[torch.device] = []
+    real = torch.accelerator.synchronize
+
+    def counted(device=None):
+        if sys._getframe(1).f_code.co_filename == monitor_file:
+            waits.append(torch.device(device))
+        if not EMULATED:
+            real(device)
+
+    monitor_file = sys.modules[SyncMonitor.__module__].__file__
+    monkeypatch.setattr(torch.accelerator, "synchronize", counted)
+    monitor = SyncMonitor(progress_bar=False, print_summary=False, cuda_sync=cuda_sync)
+    trainer = Trainer(
+        accelerator=lightning_accelerator(), strategy=lightning_strategy(), devices=1, max_steps=6, logger=False,
+        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(TinyModel())
+    assert monitor.summary["ranks"][0]["samples_per_s"] > 0
+    if not cuda_sync or DRY_RUN:  # asked not to, or nothing queued on the CPU
+        assert waits == []
+    else:  # once at the end of each step (and of validation, when it runs)
+        assert len(waits) >= 6 and {d.type for d in waits} == {torch.device(DEVICE).type}, waits
 
 
 @pytest.mark.timeout(180)
