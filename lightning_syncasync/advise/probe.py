@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from lightning_syncasync.advise.report import Measurements
 from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.streams import wait_for_device
 from lightning_syncasync.algorithms.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,7 @@ def time_compute(
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            wait_for_device(device)
             computed = time.perf_counter() - t0
             if i >= 2:
                 cpu_s += time.process_time() - c0
@@ -184,12 +184,10 @@ def _timed_all_reduce(nbytes: float, group: Any, device: torch.device, reps: int
     out, cpu = [], []
     for _ in range(reps):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        wait_for_device(device)
         t0, c0 = time.perf_counter(), time.process_time()
         dist.all_reduce(t, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        wait_for_device(device)
         out.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return statistics.median(out), statistics.median(cpu)

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._codec import CHECKED_CALLS, CODECS, Codec, Kernels
 from lightning_syncasync.algorithms._comm import all_gather_flat, all_reduce_, all_to_all_flat
+from lightning_syncasync.algorithms.streams import wait_for_device
 
 Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]
 METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "sign", "powersgd")
@@ -236,8 +237,7 @@ class Compressor:
             return self._decode_rows(payload, row_len) if cast is None else payload.float()
 
         def sync() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            wait_for_device(device)
 
         # Untimed first calls: allocations, and for a fused codec its compiling and the calls it checks against the
         # eager codec (``_codec.CHECKED_CALLS``).

@@ -41,6 +41,19 @@ T = TypeVar("T")
 SIDE_STREAM_ENV = "SYNCASYNC_SIDE_STREAM"
 
 
+def wait_for_device(device: torch.device | str) -> None:
+    """Block the host until ``device`` has run everything queued on it: what a clock read after a step or a timed
+    collective needs on an accelerator, whose kernels run after the host has moved on. Any accelerator torch knows as
+    the machine's (``torch.accelerator``: CUDA, ROCm, XPU, MPS, a PrivateUse1 backend) is waited for, not CUDA alone;
+    a CPU device returns at once (its operations have finished when they return)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and accelerator.type == device.type:
+        torch.accelerator.synchronize(device)
+
+
 class SideStream:
     """Ordering of one background thread's CUDA work against the thread that submits it.
 

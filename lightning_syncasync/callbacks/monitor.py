@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
+from lightning_syncasync.algorithms.streams import wait_for_device
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 
@@ -354,12 +355,8 @@ class SyncMonitor(Callback):
         Any accelerator torch knows as the machine's (``torch.accelerator``: CUDA, ROCm, XPU, MPS, a PrivateUse1
         backend) queues work the same way, so the wait is the accelerator's own ``synchronize``, not CUDA's alone.
         """
-        device = pl_module.device
-        if not self.cuda_sync or device.type == "cpu":
-            return
-        accelerator = torch.accelerator.current_accelerator()
-        if accelerator is not None and accelerator.type == device.type:
-            torch.accelerator.synchronize(device)
+        if self.cuda_sync:
+            wait_for_device(pl_module.device)
 
     def _accumulate(self, stats: StepStats) -> None:
         self._samples_seen += stats.samples

@@ -178,7 +178,7 @@ def test_sync_monitor_waits_for_the_accelerator_at_each_steps_end_only_when_aske
     real = torch.accelerator.synchronize
 
     def counted(device=None):
-        if sys._getframe(1).f_code.co_filename == monitor_file:
+        if sys._getframe(2).f_code.co_filename == monitor_file:  # SyncMonitor -> wait_for_device -> here
             waits.append(torch.device(device))
         if not EMULATED:
             real(device)
