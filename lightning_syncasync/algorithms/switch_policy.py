@@ -31,9 +31,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from lightning_syncasync.algorithms.stats import StatsRecorder
 
 MODES = ("sync", "hier", "async")
+
+
+class ModeUnavailableError(ValueError):
+    """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
+
+
+@runtime_checkable
+class SwitchesModes(Protocol):
+    """What a strategy offers the switching callback (``AutoSyncStrategy`` does): its mode, the modes it can use,
+    the switch itself, its step statistics and a held-back divergence. The callback works through this and never
+    imports the strategy, which adds the callback (callbacks sit above strategies, not beside them)."""
+
+    mode: str
+    diverged: float | None  # a non-finite loss held back in async mode; the callback reads and clears it
+    sync_stats: StatsRecorder
+
+    @property
+    def available_modes(self) -> tuple[str, ...]: ...
+
+    def switch_mode(self, mode: str, step: int | None = None) -> bool:
+        """Switch at this step boundary; ``True`` if the mode changed. Raises :class:`ModeUnavailableError`
+        (nothing changed) when this run cannot use ``mode``."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -312,10 +312,13 @@ class AdaptiveBatchSize(Callback):
         self._throughput = None
 
     def _check_grow_batch(self, trainer: pl.Trainer) -> None:
-        # The noise-scale estimator pairs this rank's gradient with the average over *all* ranks of the same step.
-        from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
-
-        if isinstance(trainer.strategy, AsyncSSPStrategy) or _node_groups(trainer.strategy) is not None:
+        # The noise-scale estimator pairs this rank's gradient with the average over *all* ranks of the same step:
+        # not there under a strategy whose step statistics say it trains asynchronously (async_ssp and its sharded
+        # form), nor one that averages across nodes on its own. Read from the strategy's public contract (its
+        # `sync_stats` and `topology`), not from its class: callbacks do not import strategies.
+        recorder = getattr(trainer.strategy, "sync_stats", None)
+        asynchronous = isinstance(recorder, StatsRecorder) and recorder.mode == "async"
+        if asynchronous or _node_groups(trainer.strategy) is not None:
             raise ValueError(
                 f"grow_batch needs a flat gradient all-reduce every step (ddp); {type(trainer.strategy).__name__} "
                 "averages across nodes in the background. Set grow_batch=False or use strategy='ddp'"

@@ -5,7 +5,9 @@ and its variation, communication share, samples, loss, divergence) from the ``St
 :class:`SyncMonitor` fills; the numbers are all-gathered as one float tensor (no pickled objects), and every rank
 runs the same :class:`~lightning_syncasync.algorithms.switch_policy.SwitchPolicy` on the same numbers, so every rank
 reaches the same decision at the same step without a broadcast. A switch happens at that step boundary (before the
-next step's batch is used), through :meth:`AutoSyncStrategy.switch_mode`.
+next step's batch is used), through the strategy's ``switch_mode``: the callback works through
+:class:`~lightning_syncasync.algorithms.switch_policy.SwitchesModes`, which ``AutoSyncStrategy`` implements, and does
+not import the strategy that adds it.
 
 Rollback: at every decision taken at a consistent point (synchronous mode, or right after a switch), and when the
 window was healthy, the callback keeps a CPU copy of the model and optimizer states (the same on every rank). On
@@ -29,12 +31,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_syncasync.algorithms.switch_policy import MODES, SwitchPolicy, WindowStats
+from lightning_syncasync.algorithms.switch_policy import (
+    MODES,
+    ModeUnavailableError,
+    SwitchesModes,
+    SwitchPolicy,
+    WindowStats,
+)
 from lightning_syncasync.callbacks._stats_source import gather_rows
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
-from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy, ModeUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +115,7 @@ class SyncSwitcher(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not isinstance(trainer.strategy, AutoSyncStrategy):
+        if not isinstance(trainer.strategy, SwitchesModes):
             raise ValueError(
                 f"SyncSwitcher switches the mode of strategy='auto_sync'; this Trainer runs "
                 f"{type(trainer.strategy).__name__}. HINT: Trainer(strategy='auto_sync', ...) adds a SyncSwitcher"
@@ -126,7 +133,7 @@ class SyncSwitcher(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        assert isinstance(strategy, AutoSyncStrategy)
+        assert isinstance(strategy, SwitchesModes)
         available = [m for m in strategy.available_modes if m != "async" or self.allow_async]
         self.policy = SwitchPolicy(available=available, rebalance=self._rebalancing(trainer), **self._policy_args)
         if self._policy_state is not None:
@@ -161,7 +168,7 @@ class SyncSwitcher(Callback):
         span = self.first_window if step == self.first_window else self.window
         self._decided_at = step
         strategy = trainer.strategy
-        assert isinstance(strategy, AutoSyncStrategy)
+        assert isinstance(strategy, SwitchesModes)
         window = self._gather(trainer, strategy, step, span)
         mode = strategy.mode
         decision = self.policy.decide(window, mode)
@@ -183,7 +190,7 @@ class SyncSwitcher(Callback):
         if self.rollback and consistent and not decision.rollback and not window.nonfinite:
             self._keep_good(trainer, pl_module)
 
-    def _gather(self, trainer: pl.Trainer, strategy: AutoSyncStrategy, step: int, span: int) -> WindowStats:
+    def _gather(self, trainer: pl.Trainer, strategy: SwitchesModes, step: int, span: int) -> WindowStats:
         # The first step of a fit carries one-off costs (DDP's bucket rebuild, allocator warm-up): left out.
         steps = [s for s in list(strategy.sync_stats.history)[-span:] if s.step > 1]
         per_sample = [s.compute_s / s.samples for s in steps if s.samples > 0]
@@ -226,7 +233,7 @@ class SyncSwitcher(Callback):
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        strategy: AutoSyncStrategy,
+        strategy: SwitchesModes,
         step: int,
         record: dict[str, Any],
     ) -> None:

@@ -54,7 +54,7 @@ from lightning_syncasync.algorithms.compression import Compressor
 from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
-from lightning_syncasync.algorithms.switch_policy import MODES
+from lightning_syncasync.algorithms.switch_policy import MODES, ModeUnavailableError
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
@@ -76,10 +76,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["sync", "hier", "async"]
 _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
-
-
-class ModeUnavailableError(ValueError):
-    """A switch to a mode this run cannot use (``hier`` with a single node and no virtual ``node_size``)."""
 
 
 class AutoSyncStrategy(
