@@ -1,6 +1,6 @@
 """How long one claim on the TCPStore takes across an emulated slow link, idle and while bulk data crosses it.
 
-``async_ssp``'s claiming sampler (``algorithms/claim_sampler.py``) asks the job's TCPStore for every batch it
+``async_ssp``'s claiming sampler (``algorithms/ssp/claim_sampler.py``) asks the job's TCPStore for every batch it
 trains (an atomic ``add``), so the store's round trip sits on each batch's path. Across nodes that request shares
 the node's link with the exchange's bulk transfers, and queues behind them. This script measures it: two emulated
 nodes (network namespaces, ``tbf`` at ``--link-mbit`` both ways: ``lightning_syncasync/emulate/network.py``), the

@@ -28,7 +28,7 @@ def worker(method: str, collective: str, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_syncasync.algorithms.compression import Compressor
+    from lightning_syncasync.algorithms.compression.compressor import Compressor
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -35,7 +35,7 @@ import sys
 import torch
 from torch import nn
 
-from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
+from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
 from lightning_syncasync.demo import DigitsDataModule
 
 ARMS = {"none": ("none", None), "unbounded": ("dc_asgd_adaptive", None), "bounded": ("dc_asgd_adaptive", 1.0)}

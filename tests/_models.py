@@ -35,7 +35,7 @@ class TinyOneBitModel(TinyModel):
     """TinyModel trained with 1-bit Adam (3 warm-up steps)."""
 
     def configure_optimizers(self):
-        from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+        from lightning_syncasync.algorithms.compression.onebit_adam import OneBitAdam
 
         return OneBitAdam(self.parameters(), lr=0.01, warmup_steps=3)
 

@@ -496,8 +496,8 @@ class ScalingModel:
     def _sync_comm(self, nodes: int, compression: str, ratio: float) -> float:
         ranks, m = self._ranks(nodes), self.procs_per_node
         if compression not in ("none", "powersgd") and nodes > 1 and m > 1:
-            # Compressed DDP across nodes is hierarchical (algorithms/compressed_hook.py), the same shape as a
-            # hier_sync round: blocking here, and its encode/decode on the critical path.
+            # Compressed DDP across nodes is hierarchical (algorithms/compression/compressed_hook.py), the same
+            # shape as a hier_sync round: blocking here, and its encode/decode on the critical path.
             comm = self._hier_round_s(nodes, compression, ratio)[0]
             comm += self._codec_s(nodes, self.grad_bytes / m, compression)
         else:

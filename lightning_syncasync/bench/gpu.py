@@ -14,8 +14,8 @@ Three measurements, all in this process, written to one JSON summary (``--out``)
    of memory per element. A fully fused ``int8`` codec with error feedback reads the input and the residual (8 B),
    writes the codes and the new residual (1 + 4 B), and its decode reads the codes and writes fp32 (1 + 4 B): 18 B,
    so at most 22% of the bandwidth; without error feedback 10 B, at most 40%. The eager PyTorch codec
-   (``algorithms/_codec.py`` run op by op: abs, amax, divide, round, clamp, multiply, cast, concatenate, each a
-   pass over memory) moves about 88 B per element with error feedback: about 4.5% expected. Each method runs with
+   (``algorithms/compression/_codec.py`` run op by op: abs, amax, divide, round, clamp, multiply, cast, concatenate,
+   each a pass over memory) moves about 88 B per element with error feedback: about 4.5% expected. Each method runs with
    the codec the strategies use on the device (``Compressor(codec="auto")``: fused by ``torch.compile`` on CUDA,
    eager elsewhere); ``int8`` also runs with the other one (a row ``int8+eager`` or ``int8+compiled``), so the run
    shows what fusing gains.
@@ -194,7 +194,7 @@ def resolve_strategies(spec: str | None) -> list[str]:
 
 
 def resolve_methods(spec: str) -> list[str]:
-    from lightning_syncasync.algorithms.compression import CHUNKED
+    from lightning_syncasync.algorithms.compression.compressor import CHUNKED
 
     names = _names(spec)
     known = (*CHUNKED, *CAST_METHODS)
@@ -286,7 +286,7 @@ def measure_bandwidth(device: torch.device, numel: int, reps: int = BANDWIDTH_RE
 def measure_codec(
     method: str, numel: int, device: torch.device, bandwidth_gbps: float, codec_setting: str = "auto"
 ) -> dict[str, Any]:
-    from lightning_syncasync.algorithms.compression import Compressor
+    from lightning_syncasync.algorithms.compression.compressor import Compressor
 
     plain: tuple[float, float] | None = None
     try:
@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         if method == COMPARED_METHOD:
             # The target's method with the other codec too (fused where the default is eager, and the reverse), so
             # one run shows what fusing gains on this device.
-            from lightning_syncasync.algorithms._codec import Kernels
+            from lightning_syncasync.algorithms.compression._codec import Kernels
 
             other = "eager" if Kernels("auto").mode(device) == "compiled" else "compiled"
             row = f"{method}+{other}"

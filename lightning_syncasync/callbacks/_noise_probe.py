@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
+from lightning_syncasync.algorithms.batching.noise_scale import GradientNoiseScale
 
 
 class NoiseScaleProbe:

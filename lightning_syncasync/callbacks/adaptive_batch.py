@@ -8,7 +8,7 @@ Three pieces make that safe for any LightningModule:
 
 * **Data.** The training loader's sampler is replaced (at the point where Lightning injects its own
   ``DistributedSampler``: the strategy's ``process_dataloader``) by a
-  :class:`~lightning_syncasync.algorithms.batch_sampler.VariableBatchSampler`: every global step takes the next ``B``
+  :class:`~lightning_syncasync.algorithms.batching.VariableBatchSampler`: every global step takes the next ``B``
   indices of the epoch's permutation and rank ``i`` gets its slice of ``b_i``. Each sample is still seen exactly once
   per epoch, and every rank has the same number of steps.
 * **Unbiased update.** DDP averages gradients uniformly over ranks. With unequal batches, rank ``i``'s loss gradient
@@ -42,10 +42,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_
-from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
-from lightning_syncasync.algorithms.batch_sampler import VariableBatchSampler
-from lightning_syncasync.algorithms.batching import BatchBalancer
-from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
+from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampling_order
+from lightning_syncasync.algorithms.batching.balancer import BatchBalancer
+from lightning_syncasync.algorithms.batching.batch_sampler import VariableBatchSampler
+from lightning_syncasync.algorithms.batching.noise_scale import GradientNoiseScale
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe

@@ -95,8 +95,8 @@ class TransformerLM(LightningModule):
             activation_checkpointing: Recompute each block's activations in backward instead of keeping them
                 (``torch.utils.checkpoint``): less activation memory for about one more forward pass. Works with
                 every strategy, DeepSpeed's included.
-            optimizer: ``"adamw"``, or ``"onebit_adam"``: 1-bit Adam (``algorithms/onebit_adam.py``), plain Adam
-                for ``onebit_warmup_steps`` and then sign-compressed momenta with a frozen variance; train it with
+            optimizer: ``"adamw"``, or ``"onebit_adam"``: 1-bit Adam (``algorithms/compression/onebit_adam.py``), plain
+                Adam for ``onebit_warmup_steps`` and then sign-compressed momenta with a frozen variance; train it with
                 ``strategy=ddp_measured`` so gradient traffic stops after the warm-up.
             onebit_warmup_steps: ``optimizer="onebit_adam"`` only: steps of plain Adam before the variance freezes.
 
@@ -263,7 +263,7 @@ class TransformerLM(LightningModule):
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if hp.get("optimizer", "adamw") == "onebit_adam":
-            from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+            from lightning_syncasync.algorithms.compression.onebit_adam import OneBitAdam
 
             optimizer: torch.optim.Optimizer = OneBitAdam(groups, lr=hp.lr, warmup_steps=hp.onebit_warmup_steps)
         else:

@@ -10,9 +10,9 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_syncasync.algorithms.compensation import METHODS as COMPENSATIONS
-from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.ssp.compensation import METHODS as COMPENSATIONS
+from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
 
 
 def check_common(

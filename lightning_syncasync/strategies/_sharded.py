@@ -33,7 +33,7 @@ from lightning_syncasync.algorithms._comm import (
     exchange_backend,
     new_subgroups,
 )
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._optim import local_part
 from lightning_syncasync.strategies._state import mean_state

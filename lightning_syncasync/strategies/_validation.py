@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_syncasync.algorithms.averaging import DelayedAverager
+from lightning_syncasync.algorithms.averaging.delayed import DelayedAverager
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 
 

@@ -4,13 +4,13 @@ Two modes (see the class docstring for the settings):
 
 * **Rounds** (default, ``local_steps > 1``): each rank steps its own replica with its own optimizer on fresh
   gradients; its local progress travels every round through
-  :class:`~lightning_syncasync.algorithms.rounds.RoundExchange` (design, invariants and papers there), optionally
+  :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` (design, invariants and papers there), optionally
   compressed, and comes back as the round's global step at most ``staleness`` rounds later. Rounds have a wall-clock
   length, so fast ranks take more local steps; with ``claim_batches`` (on by default where the loop allows it) they
   also train on more of each epoch's batches instead of waiting at its end.
 * **Per step** (``local_steps=1``): gradients travel in the background through
   :class:`~lightning_syncasync.algorithms.ssp.SSPExchange`, optionally compressed, after a stale gradient is
-  compensated (:class:`~lightning_syncasync.algorithms.compensation.StaleGradientCompensation`); every replica
+  compensated (:class:`~lightning_syncasync.algorithms.ssp.StaleGradientCompensation`); every replica
   applies the same server updates (the mean of a quorum of gradients, fast ranks contributing more of them) with its
   own optimizer, so the replicas and their optimizer states stay equal. Gradient clipping applies to each server
   update; ``on_before_optimizer_step`` sees no gradients (they have been shipped); each param group's learning rate
@@ -51,13 +51,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend
-from lightning_syncasync.algorithms._loader import loader_kwargs, sampling_order
-from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
-from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
-from lightning_syncasync.algorithms.rounds import NonFiniteRoundError, RoundExchange, check_rounds
-from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
+from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError, RoundExchange, check_rounds
+from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampling_order
+from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
+from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
@@ -202,7 +202,7 @@ class AsyncSSPStrategy(
     Two levels of asynchrony:
 
     * **Rounds** (``local_steps > 1``, the default): async local SGD
-      (:class:`~lightning_syncasync.algorithms.rounds.RoundExchange`). Every rank trains its own replica with its
+      (:class:`~lightning_syncasync.algorithms.averaging.RoundExchange`). Every rank trains its own replica with its
       own optimizer on fresh gradients; every round its local progress (a pseudo-gradient) goes into a background
       exchange, and the round's global step comes back ``staleness`` rounds later at most. Rounds have a
       wall-clock length, so a fast rank takes more local steps and a straggler fewer, and nobody waits for the
@@ -219,14 +219,14 @@ class AsyncSSPStrategy(
         local_steps: local optimizer steps per round at the ranks' mean speed (``1``: per-step gradient exchange).
             Default 8.
         outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
-            (:mod:`~lightning_syncasync.algorithms.outer`).
+            (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the Nesterov variants' settings.
         outer_momentum_every: rounds per momentum update of ``delayed_nesterov``.
         dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed
             (``False``: every round is ``local_steps`` steps on every rank, a deterministic trajectory).
         round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
         compensation: per-step mode only: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
-            ``algorithms/compensation.py``).
+            ``algorithms/ssp/compensation.py``).
         lam: DC-ASGD's ``lambda``.
         compression: compression of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``,
             ``int8``, ``int4``, ``sign``, ``powersgd``, with error feedback.
@@ -237,7 +237,7 @@ class AsyncSSPStrategy(
             idle round.
         exchange_every: per-step mode: local steps a rank accumulates before joining an exchange round.
         claim_batches: the ranks claim the batches of each epoch from a shared queue
-            (:class:`~lightning_syncasync.algorithms.claim_sampler.ClaimingBatchSampler`), so a faster rank trains on
+            (:class:`~lightning_syncasync.algorithms.ssp.ClaimingBatchSampler`), so a faster rank trains on
             more of them instead of waiting at every epoch end for a slower one. ``max_steps`` then is a budget over
             all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
             ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(

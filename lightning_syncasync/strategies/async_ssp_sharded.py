@@ -1,11 +1,11 @@
 """``ShardedAsyncSSPStrategy`` (``async_ssp_sharded``): round-level async training of a model sharded inside each node.
 
-``async_ssp``'s rounds (async local SGD, :class:`~lightning_syncasync.algorithms.rounds.RoundExchange`) with a node as
-the learner instead of a rank: FSDP2 shards the model, its gradients and its optimizer state over the node's ranks
+``async_ssp``'s rounds (async local SGD, :class:`~lightning_syncasync.algorithms.averaging.RoundExchange`) with a node
+as the learner instead of a rank: FSDP2 shards the model, its gradients and its optimizer state over the node's ranks
 (Lightning's ``ModelParallelStrategy`` path: the LightningModule shards itself in ``configure_model`` over
 ``self.device_mesh["data_parallel"]``), the node takes its local steps together, and every round each rank sends the
-pseudo-gradient of its shard to the same shard on the other nodes, in the background, at most ``staleness`` rounds
-late. So the nodes never train in lockstep across the slow link, and a slow node takes fewer local steps per round
+pseudo-gradient of its shard to the same shard on the other nodes, in the background, at most ``staleness`` rounds late.
+So the nodes never train in lockstep across the slow link, and a slow node takes fewer local steps per round
 instead of pacing the others (dynamic local steps, as in ``async_ssp``).
 
 What it takes from the sharding (``strategies/_sharded.py``): FSDP2 lays every parameter out the same way on every
@@ -41,10 +41,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups, new_subgroups
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check_rounds
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
-from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
-from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size

@@ -7,7 +7,7 @@ Modes:
   :class:`~lightning_syncasync.algorithms.averaging.DelayedAverager` (``inter_period``, ``max_delay``).
 * ``async``: ``async_ssp``'s: by default round-level async (``local_steps > 1``): every rank steps its own replica
   with its own optimizer and its local progress travels every round through
-  :class:`~lightning_syncasync.algorithms.rounds.RoundExchange` under the bound ``staleness`` (in rounds); with
+  :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` under the bound ``staleness`` (in rounds); with
   ``local_steps=1`` local gradients are exchanged in the background by
   :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` and applied on every replica as the same server updates.
 
@@ -47,12 +47,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend, new_subgroups
-from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
+from lightning_syncasync.algorithms.averaging.delayed import DelayedAverager, check_settings
+from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
-from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.rounds import RoundExchange, check_rounds
-from lightning_syncasync.algorithms.ssp import ApplyFn, SSPExchange
+from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES, ModeUnavailableError
 from lightning_syncasync.algorithms.topology import Topology

@@ -212,7 +212,7 @@ def check_config(config: dict[str, Any]) -> None:
     if optimizer in _REMOVED_OPTIMIZERS:
         raise ValueError(
             f"DeepSpeed optimizer {config['optimizer']['type']!r} was removed from DeepSpeed (0.19 no longer has "
-            "1-bit optimizers). Use lightning_syncasync.algorithms.onebit_adam.OneBitAdam with strategy "
+            "1-bit optimizers). Use lightning_syncasync.algorithms.compression.OneBitAdam with strategy "
             "ddp_measured, or compression='sign' on ddp_measured/hier_sync/async_ssp"
         )
     if "compression_training" in config:

@@ -28,9 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend, new_subgroups
-from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
+from lightning_syncasync.algorithms.averaging.delayed import DelayedAverager, check_settings
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
@@ -66,11 +66,11 @@ class HierSyncStrategy(
             (``virtual_nodes=2`` on one machine of 4 processes: 2 nodes of 2). The registered name
             ``hier_sync_virtual`` sets it to 2, so the string form reaches virtual nodes too.
         outer: ``"average"``, ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo) or
-            ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.outer`).
+            ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr: outer learning rate (``outer="nesterov"``).
         outer_momentum: outer momentum (``outer="nesterov"``).
         compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign`` or
-            ``powersgd`` (with error feedback; see ``algorithms/compression.py``).
+            ``powersgd`` (with error feedback; see ``algorithms/compression/compressor.py``).
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``,
             ``collective``: ``"auto"`` two-phase from 3 ranks, all-gather on 2, ...).
         peer_timeout_s: how long an inter-node average may wait for a peer; past it (or as soon as gloo/NCCL sees

@@ -41,8 +41,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups, new_subgroups
-from lightning_syncasync.algorithms.averaging import DelayedAverager, check_settings
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.averaging.delayed import DelayedAverager, check_settings
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology

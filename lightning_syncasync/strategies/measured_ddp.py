@@ -22,7 +22,7 @@ In both local SGD modes the parameters of all ranks are averaged once more when 
 ``on_train_end`` hook, so that fit leaves one model on every rank (Lightning's recipe leaves each rank its own).
 
 ``compression`` (``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``, ``powersgd``) replaces the flat all-reduce with the
-compressed one of :class:`~lightning_syncasync.algorithms.compressed_hook.CompressedAllReduce` (error feedback per
+compressed one of :class:`~lightning_syncasync.algorithms.compression.CompressedAllReduce` (error feedback per
 parameter, bytes measured from the payload). When the ranks span several nodes with several ranks each, it is
 hierarchical: full precision inside the node, only the inter-node hop compressed (``powersgd`` stays flat).
 Its residuals and PowerSGD factors are saved in checkpoints, every rank's own (they differ per rank), so a resumed
@@ -58,9 +58,13 @@ from lightning_syncasync.algorithms._comm import (
     new_subgroups,
 )
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce, SkipWhen
-from lightning_syncasync.algorithms.compressed_hook import RESCALED_METHODS, WARMUP_METHODS, CompressedAllReduce
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+from lightning_syncasync.algorithms.compression.compressed_hook import (
+    RESCALED_METHODS,
+    WARMUP_METHODS,
+    CompressedAllReduce,
+)
+from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.compression.onebit_adam import OneBitAdam
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_compression_options, check_kwargs, check_node_size
@@ -99,8 +103,8 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         compression_warmup: the warm-up's exchange: ``none`` (fp32, the default), ``fp16``, ``bf16`` or ``int8``
             (a quarter of the bytes, within 0.1 points of fp32 on the LM demo; README).
         compression_frozen_rms: divide each gradient coordinate by its RMS measured over the warm-up before
-            compressing and multiply back after (``int8``/``sign``; ``algorithms/compressed_hook.py``): the per-
-            coordinate scale that 1-bit Adam freezes as its variance, kept for any optimizer. Needs
+            compressing and multiply back after (``int8``/``sign``; ``algorithms/compression/compressed_hook.py``):
+            the per-coordinate scale that 1-bit Adam freezes as its variance, kept for any optimizer. Needs
             ``compression_warmup_steps >= 1``. Measured on the LM demo's full budget: sign 3.0 points below DDP with
             it, 3.8 without (README).
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ...). A user
@@ -247,7 +251,7 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
             compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
             # Groups of its own: the hook's collectives run on a background thread. Across real or virtual nodes
             # with several ranks each, the node and inter-node groups too (hierarchical all-reduce: full precision
-            # inside the node, compressed across; see algorithms/compressed_hook.py).
+            # inside the node, compressed across; see algorithms/compression/compressed_hook.py).
             backend = exchange_backend()
             group = dist.new_group(backend=backend)
             self._own_groups.append(group)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.averaging import DelayedAverager
+from lightning_syncasync.algorithms.averaging.delayed import DelayedAverager
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.testing import run_distributed
@@ -144,7 +144,7 @@ def test_element_wise_against_a_single_process_reference(max_delay):
 
 
 def _compressed(rank: int, world: int, method: str, steps: int) -> dict:
-    from lightning_syncasync.algorithms.compression import Compressor
+    from lightning_syncasync.algorithms.compression.compressor import Compressor
 
     topo = Topology(world, 2)
     node_group, cross_group = _groups(rank, topo)
@@ -195,7 +195,7 @@ def _hung_peer(rank: int, world: int, timeout_s: float, flag: str) -> dict:
 
     from _hang import fault_seen, stay_hung_until
 
-    from lightning_syncasync.algorithms.averaging import PeerLostError
+    from lightning_syncasync.algorithms.watchdog import PeerLostError
 
     topo = Topology(world, 1)  # 2 nodes of 1 rank
     node_group, _ = dist.new_subgroups_by_enumeration(topo.all_nodes())

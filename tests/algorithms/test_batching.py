@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_syncasync.algorithms.batch_sampler import VariableBatchSampler
-from lightning_syncasync.algorithms.batching import BatchBalancer
+from lightning_syncasync.algorithms.batching.balancer import BatchBalancer
+from lightning_syncasync.algorithms.batching.batch_sampler import VariableBatchSampler
 
 
 def test_split_is_proportional_to_throughput_and_sums_to_the_global_batch():
@@ -136,7 +136,7 @@ def test_sampler_refuses_bad_schedules():
 def test_noise_scale_estimates_recover_the_true_gradient_and_noise():
     import torch
 
-    from lightning_syncasync.algorithms.noise_scale import GradientNoiseScale
+    from lightning_syncasync.algorithms.batching.noise_scale import GradientNoiseScale
 
     # Per-sample gradients G + N(0, sigma^2 I) in d dimensions: |G|^2 = 4, S = d sigma^2 = 64 -> noise scale 16.
     g = torch.Generator().manual_seed(0)

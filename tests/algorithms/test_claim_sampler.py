@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
+from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
 
 
 def _run_epoch(samplers, epoch, pace):

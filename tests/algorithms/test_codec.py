@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms import _codec
-from lightning_syncasync.algorithms._codec import CODEC_ENV, Kernels
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression import _codec
+from lightning_syncasync.algorithms.compression._codec import CODEC_ENV, Kernels
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 
 pytestmark = pytest.mark.timeout(240)
 

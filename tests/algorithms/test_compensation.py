@@ -1,6 +1,6 @@
 """StaleGradientCompensation: the bound on DC-ASGD's correction, and the delayed-gradient training it keeps alive.
 
-The regression scenario (see ``algorithms/compensation.py`` and ``scripts/dc_asgd_slow_link.py``): SGD with
+The regression scenario (see ``algorithms/ssp/compensation.py`` and ``scripts/dc_asgd_slow_link.py``): SGD with
 momentum 0.9, gradients applied 2 or 4 steps late. Without a bound, DC-ASGD-adaptive's correction
 ``lam * g * g * delta / sqrt(ms)`` is about ``lam * |delta_i|`` times the gradient; once that passes 1 the compensated
 gradient points against the descent direction, the weights swing farther, ``delta`` grows, and the run diverges
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_syncasync.algorithms.compensation import StaleGradientCompensation
+from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
 from lightning_syncasync.demo import DigitsDataModule
 
 pytestmark = pytest.mark.timeout(60)

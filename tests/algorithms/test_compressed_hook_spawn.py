@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressed_hook import CompressedAllReduce
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.testing import run_distributed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_syncasync.algorithms.compression import METHODS, Compressor
+from lightning_syncasync.algorithms.compression.compressor import METHODS, Compressor
 from lightning_syncasync.testing import run_distributed
 
 N = 1000  # not a multiple of the chunk size: the last chunk is padded

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+from lightning_syncasync.algorithms.compression.onebit_adam import OneBitAdam
 from lightning_syncasync.testing import run_distributed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_syncasync.algorithms.outer import OuterOptimizer
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
 
 
 @pytest.mark.timeout(30)

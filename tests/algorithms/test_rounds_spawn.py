@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.averaging import PeerLostError
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.outer import OuterOptimizer
-from lightning_syncasync.algorithms.rounds import NonFiniteRoundError, RoundExchange, check_rounds
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
+from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError, RoundExchange, check_rounds
+from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.watchdog import PeerLostError
 from lightning_syncasync.testing import run_distributed
 
 

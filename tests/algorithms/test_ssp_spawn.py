@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.ssp import SSPExchange
+from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.ssp.exchange import SSPExchange
 from lightning_syncasync.testing import run_distributed
 
 
@@ -108,7 +108,7 @@ def test_compressed_exchange_loses_nothing_at_the_cut():
 def _hung(rank: int, world: int, flag: str) -> dict:
     from _hang import fault_seen, stay_hung_until
 
-    from lightning_syncasync.algorithms.averaging import PeerLostError
+    from lightning_syncasync.algorithms.watchdog import PeerLostError
 
     w = [torch.zeros(3)]
     ex = SSPExchange(w, dist.new_group(), staleness=1, timeout_s=2)
@@ -143,7 +143,7 @@ def test_bad_arguments():
 def _killed(rank: int, world: int) -> dict:
     import os
 
-    from lightning_syncasync.algorithms.averaging import PeerLostError
+    from lightning_syncasync.algorithms.watchdog import PeerLostError
 
     w = [torch.zeros(3)]
     ex = SSPExchange(w, dist.new_group(timeout=__import__("datetime").timedelta(seconds=5)), staleness=None,

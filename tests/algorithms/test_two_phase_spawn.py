@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.testing import run_distributed
 
 N = 3000  # not a multiple of world x chunk: the last shard is padded

@@ -346,7 +346,7 @@ def test_lm_activation_checkpointing_gives_the_same_outputs_and_gradients() -> N
 
 
 def test_transformer_lm_builds_onebit_adam_from_its_settings() -> None:
-    from lightning_syncasync.algorithms.onebit_adam import OneBitAdam
+    from lightning_syncasync.algorithms.compression.onebit_adam import OneBitAdam
 
     model = TransformerLM(d_model=32, n_layers=1, n_heads=2, seq_len=16, warmup_steps=4, optimizer="onebit_adam",
                           onebit_warmup_steps=3, weight_decay=0.1)  # fmt: skip

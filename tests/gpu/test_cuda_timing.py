@@ -23,10 +23,10 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_syncasync.algorithms import _codec
-from lightning_syncasync.algorithms._codec import Kernels
 from lightning_syncasync.algorithms._comm import CommThread
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression import _codec
+from lightning_syncasync.algorithms.compression._codec import Kernels
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder, timing_event
 from lightning_syncasync.algorithms.streams import SideStream
 from lightning_syncasync.callbacks.monitor import SyncMonitor

@@ -12,8 +12,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_syncasync.algorithms.compressed_hook import CompressedAllReduce
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressed_hook import CompressedAllReduce
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.callbacks import SyncMonitor
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
 

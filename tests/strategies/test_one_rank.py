@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, Trainer
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_syncasync  # noqa: F401  (registers the strategy names)
-from lightning_syncasync.algorithms.claim_sampler import ClaimingBatchSampler
+from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.callbacks import SyncSwitcher
 from lightning_syncasync.callbacks.watchdog import PeerWatchdog
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.strategies._sharded import _mean_rank_states
 from lightning_syncasync.strategies._state import mean_optimizer_state, mean_state
 

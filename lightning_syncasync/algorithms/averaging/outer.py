@@ -1,9 +1,10 @@
 """The outer optimizer of round-based training: how a round's global pseudo-gradient moves the global model.
 
 Both round-based algorithms use it: ``hier_sync``'s :class:`~lightning_syncasync.algorithms.averaging.DelayedAverager`
-(node replicas averaged across nodes) and ``async_ssp``'s :class:`~lightning_syncasync.algorithms.rounds.RoundExchange`
-(every rank its own learner). A round produces one pseudo-gradient ``G`` (how far the replicas moved from the global
-model, averaged), identical on every rank, so every rank runs the same outer step and holds the same outer state.
+(node replicas averaged across nodes) and ``async_ssp``'s
+:class:`~lightning_syncasync.algorithms.averaging.RoundExchange` (every rank its own learner). A round produces one
+pseudo-gradient ``G`` (how far the replicas moved from the global model, averaged), identical on every rank, so every
+rank runs the same outer step and holds the same outer state.
 
 * ``average``: ``global -= G`` (plain periodic averaging, local SGD; ``lr`` and ``momentum`` are not used).
 * ``nesterov``: DiLoCo's outer SGD with Nesterov momentum (Douillard et al., 2023): ``m = mu m + G``,

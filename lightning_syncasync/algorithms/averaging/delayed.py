@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_, wire_device
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder, timing_event
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 
@@ -85,7 +85,7 @@ class DelayedAverager:
         inter_period: steps between two launches (>= 1).
         max_delay: steps between a launch and the application of its result (>= 0; 0 = synchronous).
         outer: ``"average"`` (apply the average), ``"nesterov"`` (outer SGD with Nesterov momentum on the
-            pseudo-gradient, DiLoCo) or ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.outer`).
+            pseudo-gradient, DiLoCo) or ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the outer optimizer's settings (``outer="nesterov"``).
         recorder: where bytes and wait time go.
         compressor: compression of the cross-node exchange (``None``: plain fp32 all-reduce).

@@ -47,7 +47,7 @@ Invariants:
   (BatchNorm statistics) are not gradients: each rank keeps its own between cuts and rank 0's are everyone's at a
   cut (DDP's rule, where rank 0's buffers are broadcast).
 * Liveness: a torch store heartbeat per rank; a gate wait, a cut or a failed round that outlasts ``timeout_s``
-  raises :class:`~lightning_syncasync.algorithms.averaging.PeerLostError` naming the rank whose heartbeat stopped
+  raises :class:`~lightning_syncasync.algorithms.watchdog.PeerLostError` naming the rank whose heartbeat stopped
   and its last known clock.
 
 Staleness in steps is only bounded with a finite ``staleness``; with a persistently slower rank a finite bound means
@@ -67,10 +67,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_
-from lightning_syncasync.algorithms.averaging import PeerLostError
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.streams import SideStream
+from lightning_syncasync.algorithms.watchdog import PeerLostError
 
 log = logging.getLogger(__name__)
 

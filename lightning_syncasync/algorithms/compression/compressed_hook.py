@@ -3,7 +3,7 @@ feedback, measured bytes and overlap with backward.
 
 torch ships ``fp16_compress_hook`` and ``powerSGD_hook``, but Lightning's ``DDPStrategy`` registers hooks only on
 CUDA (FINDINGS.md), none of torch's hooks quantise to int8 or 1 bit, and none reports the bytes it sends. This hook
-runs every method of ``algorithms/compression.py`` on gloo and NCCL.
+runs every method of ``algorithms/compression/compressor.py`` on gloo and NCCL.
 
 Why a thread: the compressed exchanges (all-gather of int8 payloads, PowerSGD's two dependent all-reduces) are
 blocking collectives; running them on one daemon thread, on a process group that nothing else uses, keeps them
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, reduce_scatter_flat
-from lightning_syncasync.algorithms.compression import Compressor, add_server_residual_
+from lightning_syncasync.algorithms.compression.compressor import Compressor, add_server_residual_
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder, timing_event
 
 # Exchanges a warm-up may use (exact enough to measure the gradients' scale), and the chunk-scaled methods that

@@ -2,8 +2,8 @@
 background, bounded staleness counted in rounds.
 
 Why rounds: with Adam-family optimizers a gradient one optimizer step old already stops learning (per-step async,
-``algorithms/ssp.py``: 0.722 -> 0.242 on the convnet). Moving the staleness from inner steps to outer rounds keeps
-every inner step on a fresh gradient of the rank's own replica, with its own optimizer state; only the exchange of
+``algorithms/ssp/exchange.py``: 0.722 -> 0.242 on the convnet). Moving the staleness from inner steps to outer rounds
+keeps every inner step on a fresh gradient of the rank's own replica, with its own optimizer state; only the exchange of
 whole rounds is late (Liu et al., 2024, "Asynchronous Local-SGD Training for Language Modeling"; DiLoCo, Douillard
 et al., 2023; overlapped outer communication as in Streaming DiLoCo, Douillard et al., 2025).
 
@@ -20,7 +20,7 @@ A round, on every rank:
    that took more steps (a fast one) holds more samples in its ``delta`` and moves the global model further, in
    proportion to its samples, so the update stays unbiased (no per-rank weights to get wrong).
 4. When the round is *delivered* (its exchange done), every rank runs the same outer step on ``G``
-   (:class:`~lightning_syncasync.algorithms.outer.OuterOptimizer`: average, Nesterov, delayed Nesterov) and
+   (:class:`~lightning_syncasync.algorithms.averaging.OuterOptimizer`: average, Nesterov, delayed Nesterov) and
    replaces its own contribution by the global step: ``theta += delta_i - step``, ``base += delta_i - step``. The
    local progress made since the round ended is kept, and counted in the next round only (it is not in any
    ``delta`` yet): nothing is lost or counted twice, however many rounds are in flight (tested with a toy model
@@ -63,7 +63,7 @@ depends only on agreed values, so no rank of a node calls one more than the othe
 
 Buffers (BatchNorm statistics) are not exchanged between cuts (each rank keeps its own, as in ``SSPExchange``).
 A round that does not complete within ``timeout_s`` raises
-:class:`~lightning_syncasync.algorithms.averaging.PeerLostError` naming the peers.
+:class:`~lightning_syncasync.algorithms.watchdog.PeerLostError` naming the peers.
 
 One learner (``group`` of one rank: a one-device trial run): every round, the bound and the outer step run as on a
 cluster, but a round's exchange is done on the calling thread with no collective (an all-reduce over one rank is the
@@ -87,8 +87,8 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_reduce_
 from lightning_syncasync.algorithms._flat import add_flat_, broadcast_flat_
-from lightning_syncasync.algorithms.compression import Compressor
-from lightning_syncasync.algorithms.outer import OuterOptimizer
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 

@@ -62,8 +62,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._codec import CHECKED_CALLS, CODECS, Codec, Kernels
 from lightning_syncasync.algorithms._comm import all_gather_flat, all_reduce_, all_to_all_flat
+from lightning_syncasync.algorithms.compression._codec import CHECKED_CALLS, CODECS, Codec, Kernels
 from lightning_syncasync.algorithms.streams import wait_for_device
 
 Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]

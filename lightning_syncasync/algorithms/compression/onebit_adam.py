@@ -5,7 +5,7 @@ Adam's variance is non-linear in the gradient, so it cannot be compressed with e
 early in training. 1-bit Adam therefore runs plain Adam (gradients averaged in full precision) for ``warmup_steps``,
 then freezes the variance and, from then on, exchanges the *momentum* instead of the gradient: each rank updates
 its momentum with its own local gradient and the momenta are averaged through a compressed all-reduce with error
-feedback (1-bit ``sign`` by default, any method of ``algorithms/compression.py``), then the step is
+feedback (1-bit ``sign`` by default, any method of ``algorithms/compression/compressor.py``), then the step is
 ``x -= lr * m / (sqrt(v_frozen) + eps)``. Every rank ends each step with the same averaged momentum and parameters.
 
 Gradient communication must stop after warm-up for this to save anything: ``MeasuredDDPStrategy`` sees a
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.compression import Compressor
+from lightning_syncasync.algorithms.compression.compressor import Compressor
 
 
 class OneBitAdam(torch.optim.Optimizer):
