@@ -82,3 +82,25 @@ def test_callbacks_never_import_a_strategy():
 
 def test_no_strategy_imports_a_callback_at_import_time():
     assert not _violations(_modules("strategies"), ("callbacks",), module_level_only=True)
+
+
+# The public names of the modules that became packages when algorithms/ was grouped by concern: user code that
+# imported them from the module keeps working.
+_FORMER_MODULES = {
+    "compression": ("Compressor", "METHODS", "CHUNKED", "COLLECTIVES", "check_method", "add_server_residual_"),
+    "averaging": ("DelayedAverager", "PeerLostError", "check_settings"),
+    "ssp": ("SSPExchange", "SSPStats", "ApplyFn"),
+    "batching": ("BatchBalancer",),
+}
+
+
+@pytest.mark.parametrize("package", sorted(_FORMER_MODULES))
+def test_a_grouped_package_keeps_its_former_modules_names_and_exports_what_it_lists(package):
+    import importlib
+
+    module = importlib.import_module(f"lightning_syncasync.algorithms.{package}")
+    assert module.__file__.endswith("__init__.py"), f"algorithms/{package} is a package now"
+    missing = [name for name in _FORMER_MODULES[package] if not hasattr(module, name)]
+    assert not missing, f"lightning_syncasync.algorithms.{package} lost {missing}"
+    unresolved = [name for name in module.__all__ if not hasattr(module, name)]
+    assert not unresolved, f"{package}.__all__ lists names it does not define: {unresolved}"
