@@ -103,7 +103,7 @@ def run_distributed(
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
+        results: list[Any] = []
         for rank in range(world_size):
             path = os.path.join(tmp, f"rank{rank}.pt")
             if not os.path.exists(path):

@@ -190,11 +190,11 @@ def _print_measurements(m: Measurements, notes: list[str]) -> None:
             f"({m.batch_size / m.median_step_s[r]:.1f} samples/s), CV {m.step_cv[r]:.2f}, "
             f"pauses {m.pause_p[r]:.2f} of {m.steps[r] if m.steps else '?'} steps"
         )
-    if m.intra_bytes_per_s and m.procs_per_node > 1:
+    if m.intra_bytes_per_s and m.intra_alpha_s is not None and m.procs_per_node > 1:
         print(
             f"  intra-node link: alpha {m.intra_alpha_s * 1e6:.0f} us, {m.intra_bytes_per_s / 1e6:.1f} MB/s (measured)"
         )
-    if m.inter_bytes_per_s and m.nodes > 1 and not m.links_assumed:
+    if m.inter_bytes_per_s and m.inter_alpha_s is not None and m.nodes > 1 and not m.links_assumed:
         print(
             f"  inter-node link: alpha {m.inter_alpha_s * 1e6:.0f} us, {m.inter_bytes_per_s / 1e6:.1f} MB/s (measured)"
         )

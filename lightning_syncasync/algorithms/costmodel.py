@@ -474,6 +474,7 @@ class ScalingModel:
             if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
                 raise ValueError(f"staleness must be an integer >= 0 or None (ASP), got {staleness!r}; HINT: e.g. 1")
             if local_steps > 1:
+                assert staleness is not None  # checked above: rounds need a bound
                 pred = self._rounds(nodes, local_steps, staleness, compression, ratio)
             else:
                 pred = self._async(nodes, staleness, compression, ratio)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -469,7 +469,7 @@ class AsyncSSPStrategy(
         ex = self.exchange
         if ex is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self._compensator is not None
+        assert self._compensator is not None and self._apply is not None
         return ssp_optimizer_step(
             ex, self._compensator, self._apply, optimizer, self.global_rank, closure,
             lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
@@ -654,7 +654,7 @@ def check_async_fit(optimizers: list[Optimizer], precision: Any, name: str) -> O
     return optimizers[0]
 
 
-def server_update(optimizer: Optimizer, params: list[torch.Tensor], module: pl.LightningModule) -> ApplyFn:
+def server_update(optimizer: Optimizer, params: Sequence[torch.Tensor], module: pl.LightningModule) -> ApplyFn:
     """How a replica applies one server update of :class:`SSPExchange`: the mean gradient into ``p.grad``, the
     module's gradient clipping (DDP clips the mean gradient too), the update's learning rates, ``optimizer.step()``.
     The optimizer is the raw one: Lightning's wrapper would call back into the strategy."""

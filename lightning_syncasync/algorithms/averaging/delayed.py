@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,7 @@ class DelayedAverager:
 
     def __init__(
         self,
-        tensors: list[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
         cross_group: dist.ProcessGroup | None,
         node_group: dist.ProcessGroup | None,
         local_rank: int,
@@ -132,7 +133,7 @@ class DelayedAverager:
             raise ValueError(f"local_rank must be in [0, {node_size}), got {local_rank}")
         if not tensors:
             raise ValueError("tensors is empty: nothing to average")
-        self.tensors = tensors
+        self.tensors = list(tensors)
         self.cross_group, self.node_group = cross_group, node_group
         self.local_rank, self.node_size, self.num_nodes = local_rank, node_size, num_nodes
         self.inter_period, self.max_delay = inter_period, max_delay

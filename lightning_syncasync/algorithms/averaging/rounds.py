@@ -169,7 +169,7 @@ class RoundExchange:
 
     def __init__(
         self,
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         group: dist.ProcessGroup | None,
         local_steps: int = 8,
         staleness: int = 1,
@@ -197,7 +197,7 @@ class RoundExchange:
             )
         self.node_group = node_group
         self.side_stream = side_stream
-        self.tensors = params
+        self.tensors = list(params)
         self.buffers = list(buffers)
         self.group = group
         self.local_steps, self.staleness, self.round_s, self.dynamic = local_steps, staleness, round_s, dynamic

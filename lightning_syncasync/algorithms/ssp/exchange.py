@@ -128,7 +128,7 @@ class SSPExchange:
 
     def __init__(
         self,
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         group: dist.ProcessGroup | None,
         staleness: int | None = 1,
         timeout_s: float = 60.0,
@@ -159,7 +159,7 @@ class SSPExchange:
         if dist.get_world_size(group) != dist.get_world_size():
             raise ValueError("group must span every rank (cuts broadcast over the default group)")
         self.exchange_every = exchange_every
-        self.tensors = params
+        self.tensors = list(params)
         self.buffers = list(buffers)
         self.group = group
         self.staleness = staleness
