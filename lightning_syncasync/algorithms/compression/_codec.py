@@ -52,7 +52,7 @@ CHECKED_SIZES = 4
 # chunk scale 2 ulp off moves int8's decoded values by up to 2.4e-7 of the chunk's largest input, while the residual
 # they are subtracted from is only about 1/254 of it: up to 6.1e-5 of the largest residual, and a fused multiply-add
 # in `x - q * scale` adds up to 1.5e-5 more. 3e-4 leaves room for both (a scale 16 ulp off passes, 20 does not:
-# tests/algorithms/test_codec.py); a miscompiled graph is off by far more.
+# tests/algorithms/compression/test_codec.py); a miscompiled graph is off by far more.
 AGREE_RTOL = 3e-4
 AGREE_SHARE = 1e-4
 # ... and at least this many elements, whatever the size: a code flipped at a rounding boundary happens in about 1e-5
