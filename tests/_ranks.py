@@ -1,5 +1,10 @@
 """Start the ranks of ``tests/_rank_job.py`` as torchrun would (environment variables), wait for them (bounded),
-and return what each wrote. Used on the CPU by the default suite and on one shared GPU by ``tests/gpu``."""
+and return what each wrote. Used on the CPU by the default suite and on one shared GPU by ``tests/gpu``.
+
+A rank on the CPU (or on the emulated device) is forked from a fork server that has imported torch, Lightning and
+the pack once (``tests/_forked.py``); a rank on CUDA keeps a new interpreter of its own (``subprocess``), the way the
+GPU check has always run it.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _forked import ForkedProcess
 
 JOB = Path(__file__).with_name("_rank_job.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +65,7 @@ class RankJob:
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         port = _free_port()
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
         self.logs = []
         for rank in range(ranks):
             rank_env = {
@@ -73,16 +79,20 @@ class RankJob:
                 "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                 **(env or {}),
             }
-            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
-            self.logs.append(log)
-            cmd = [sys.executable, str(JOB), "--accelerator", accelerator, "--strategy", strategy]
+            cmd = ["--accelerator", accelerator, "--strategy", strategy]
             cmd += ["--options", json.dumps(options or {}), "--steps", str(steps), "--out", str(out)]
             cmd += ["--ranks", str(ranks)] + (["--deterministic"] if deterministic else [])
             cmd += ["--adaptive-batch"] if adaptive_batch else []
             cmd += ["--save", str(save), "--save-step", str(save_step)] if save is not None else []
             cmd += ["--resume", str(resume)] if resume is not None else []
             cmd += ["--epoch-steps", str(epoch_steps)] if epoch_steps is not None else []
-            self.procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+            if accelerator in ("cpu", "emugpu"):
+                self.procs.append(ForkedProcess(JOB, cmd, rank_env, out / f"rank{rank}.log"))
+                continue
+            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen([sys.executable, str(JOB), *cmd], env=rank_env, stdout=log,
+                                               stderr=subprocess.STDOUT))  # fmt: skip
 
     def wait(self) -> list[dict[str, Any]]:
         """Each rank's record, in rank order. Raises with every rank's log when a rank fails or the job outlives its

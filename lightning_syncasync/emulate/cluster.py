@@ -282,14 +282,7 @@ class EmulatedCluster:
                     cmd = self.network.exec_prefix(rank // self.procs_per_node) + cmd
                 out = open(log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed in finally
                 files.append(out)
-                proc = subprocess.Popen(
-                    cmd,
-                    env=self.rank_env(rank, port),
-                    stdout=subprocess.PIPE if (rank == 0 and self.echo_rank0) else out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: killed as a whole, children included
-                    preexec_fn=self._joiner(rank),
-                )
+                proc = self._start(rank, cmd, self.rank_env(rank, port), out)
                 self.procs.append(proc)
                 if proc.stdout is not None:
                     t = threading.Thread(target=_tee, args=(proc.stdout, out), daemon=True)
@@ -320,6 +313,18 @@ class EmulatedCluster:
             (log_dir / "emulation.json").write_text(json.dumps(asdict(report), indent=2))
             self.log_dir = log_dir
         return report
+
+    def _start(self, rank: int, cmd: list[str], env: dict[str, str], out: IO[bytes]) -> subprocess.Popen:
+        """Start one rank. What the rest of the emulator needs of the process: ``pid`` (the leader of a process
+        group of its own), ``poll``, ``wait(timeout)``, ``returncode`` and, for rank 0 echoed, ``stdout``."""
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE if (rank == 0 and self.echo_rank0) else out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: killed as a whole, children included
+            preexec_fn=self._joiner(rank),
+        )
 
     def _joiner(self, rank: int) -> Callable[[], None] | None:
         if self.shares is None:

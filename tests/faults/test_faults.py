@@ -3,7 +3,9 @@ rank within the timeout, with an error naming the lost rank, and leaves no proce
 
 Each job is 3 single-process "nodes" started by ``EmulatedCluster`` with torchrun's environment and no launcher
 that would kill the survivors for us (its grace period is longer than the bound asserted), so the survivors must
-notice the loss themselves, as on separate machines. Detection time: from the faulty rank's stamp
+notice the loss themselves, as on separate machines. The ranks of the jobs without network namespaces are forked
+from a server that has imported Lightning once (``tests/_forked.py``: the emulator's own environment, wait and
+clean-up, without 6 s of imports per rank). Detection time: from the faulty rank's stamp
 (``syncasync-fault: ... (t=...)``) to the last survivor's exit, printed as ``FAULT-TIMING`` lines (the README's
 failure table comes from them: ``pytest -m faults -s | grep FAULT-TIMING``).
 """
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _forked import ForkedCluster
 
 from lightning_syncasync.emulate.cluster import EmulatedCluster
 
@@ -38,16 +41,25 @@ def _run(tmp_path: Path, strategy: str, fault: str, compression: str = "none", r
     # SIGTERMed and the test fails), or a survivor's when the faulty rank is stopped (then it only bounds how long
     # the stopped rank is kept before the clean-up).
     grace = 8.0 if fault.startswith("stop") else 30.0
-    cluster = EmulatedCluster(nodes=ranks, procs_per_node=1, netns=False, cgroups=False, log_dir=tmp_path / "logs",
-                              grace_s=grace, echo_rank0=False, fault=fault)  # fmt: skip
+    cluster = ForkedCluster(nodes=ranks, procs_per_node=1, netns=False, cgroups=False, log_dir=tmp_path / "logs",
+                            grace_s=grace, echo_rank0=False, fault=fault)  # fmt: skip
     report = cluster.run([sys.executable, JOB, strategy, compression, str(TIMEOUT_S), str(out)], timeout_s=150)
     logs = [(tmp_path / "logs" / f"rank{r}.log").read_text(errors="replace") for r in range(ranks)]
     stamp = re.search(r"syncasync-fault: rank (\d+) (\w+) at step (\d+) \(t=([\d.]+)\)", "\n".join(logs))
     assert stamp is not None, "the fault never fired:\n" + "\n".join(logs)
-    leftovers = subprocess.run(["pgrep", "-f", f"{JOB} {strategy} "], capture_output=True, text=True).stdout
+    leftovers = [p.pid for p in cluster.procs if _group_alive(p.pid)]
     return {"report": report, "logs": logs, "fault_t": float(stamp[4]), "leftovers": leftovers,
             "records": {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)
                         if (out / f"rank{r}.json").exists()}}  # fmt: skip
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process is left in the process group a rank led (the rank itself, or a child it started)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _check_survivors(res: dict, strategy: str, lost: int, label: str, bound_s: float) -> None:
