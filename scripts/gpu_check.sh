@@ -68,10 +68,11 @@ if [[ ! -d tests/gpu ]]; then
     tests_rc=4  # pytest's own status for a missing test path
 else
     # Most telling first: the codec and stream units, every strategy on one GPU, the shared-GPU ranks; any file
-    # added later runs before the DeepSpeed presets; after them, the cases of 2 nodes of 2 ranks (8 processes each)
-    # and the resume cases (two jobs in a row each).
+    # added later runs before the DeepSpeed presets; after them, the cases of 2 nodes of 2 ranks (8 processes each:
+    # the replicated strategies, then the sharded ones) and the resume cases (two jobs in a row each).
     first=(tests/gpu/test_cuda_timing.py tests/gpu/test_one_gpu.py tests/gpu/test_shared_gpu.py)
-    last=(tests/gpu/test_deepspeed_presets.py tests/gpu/test_nodes_gpu.py tests/gpu/test_resume_gpu.py)
+    last=(tests/gpu/test_deepspeed_presets.py tests/gpu/test_nodes_gpu.py tests/gpu/test_sharded_gpu.py
+        tests/gpu/test_resume_gpu.py)
     files=()
     for f in "${first[@]}"; do [[ -f "$f" ]] && files+=("$f"); done
     for f in tests/gpu/test_*.py; do

@@ -35,6 +35,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -152,6 +153,21 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     )
 
 
+class _Stream(torch.cpu.Stream):
+    """A stream of the emulated device: CPU's no-op stream, with what a device stream also has for FSDP2 and
+    torch.distributed.checkpoint."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event: Any = None) -> Any:
+        return torch.cpu.Event() if event is None else event  # FSDP2's HSDP asserts an event on a device
+
+
+_STREAM = _Stream()
 _LIBRARY: Any = None
 
 
@@ -165,17 +181,46 @@ def install() -> torch.device:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         _setup_privateuseone_for_python_backend(NAME)
+        # The device runs each operation when it is dispatched, so its streams and events have nothing to order:
+        # FSDP2 (the sharded strategies) overlaps its collectives on streams from the device's module, torch.emugpu,
+        # and torch.distributed.checkpoint stages a save on one.
+        module = getattr(torch, NAME)
+        module.Stream, module.Event = _Stream, torch.cpu.Event
+        module.current_stream = lambda device=None: _STREAM
+        module.stream = lambda stream: contextlib.nullcontext()
+        module.synchronize = lambda device=None: None
         lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kernels for an existing op, one backend
         lib.impl("empty.memory_format", _empty, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
         _LIBRARY = lib
+        _fsdp2_frees_host_storage()
         # gloo serves the device as it serves CUDA (a process group made with device_id=emugpu:0 needs a backend for
         # it); its collectives see the CPU data, through the pack's staging as for a model on a GPU under gloo.
         capability = torch.distributed.Backend.backend_capability["gloo"]
         if NAME not in capability:
             capability.append(NAME)
     return torch.device(NAME, 0)
+
+
+def _fsdp2_frees_host_storage() -> None:
+    """FSDP2 frees a gathered parameter between uses by resizing its storage to 0 (and back before the next
+    all-gather); a device tensor here has no storage of its own, so that resize goes to its CPU data's storage, which
+    every view of it shares, as a GPU tensor's views share its memory."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        host = _host(tensor)
+        size = host.numel() * host.itemsize
+        if (storage := host.untyped_storage()).size() != size:
+            storage.resize_(size)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        if (storage := _host(tensor).untyped_storage()).size() != 0:
+            storage.resize_(0)
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
+    _fsdp_param.free_storage = free_storage
 
 
 def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None,

@@ -61,6 +61,23 @@ class DeviceModel(LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
 
 
+class ShardedDeviceModel(DeviceModel):
+    """DeviceModel for the sharded strategies: FSDP2 shards each linear layer over the node's ranks (no BatchNorm,
+    whose running statistics FSDP2 leaves as plain tensors beside sharded weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def configure_model(self) -> None:
+        from lightning_syncasync.demo._shard import shard_if_meshed
+
+        # On the device before sharding, as a GPU user's module may be: the emulated device's tensors cannot take a
+        # CPU parameter's place in FSDP2's own move (set_data between tensor types), which nn.Module.to replaces.
+        self.to(self.trainer.strategy.root_device)
+        shard_if_meshed(self, (self.net[0], self.net[2]))
+
+
 def owned_tensors(obj: Any, path: str = "", seen: set[int] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor reachable from ``obj`` through this package's objects (strategies, exchanges, averagers,
     compressors, hooks, callbacks) and the containers they hold, by attribute path. Foreign objects (the model, its
@@ -279,6 +296,12 @@ def _not_the_asker(frame: traceback.FrameSummary) -> bool:
     return frame.filename == __file__ and frame.name in _WRAPPERS
 
 
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--accelerator", default="cpu")
@@ -332,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_syncasync.callbacks import AdaptiveBatchSize
 
         callbacks.append(AdaptiveBatchSize(interval=4))
-    model = DeviceModel()
+    model = ShardedDeviceModel() if "sharded" in args.strategy else DeviceModel()
     accelerator: Any = args.accelerator
     if accelerator == "emugpu":  # an accelerator emulated on the CPU (tests/_emulated_device.py)
         global _EMULATED
@@ -363,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.fit(model, ckpt_path=args.resume)
     rank = trainer.global_rank
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # A sharded model's entries are DTensors: gathered whole (every rank calls, in the same order), so a record is
+    # the model's full state whatever the strategy.
+    state = {k: _whole(v).detach().cpu() for k, v in model.state_dict().items()}
     torch.save(
         {
             "rank": rank,

@@ -116,8 +116,9 @@ def test_the_emulated_device_refuses_mixed_devices_and_counts_host_syncs():
 
 def _subgroups_under_a_bound_gloo_job(rank: int, world: int, init_file: str) -> dict:
     from _emulated_device import install
+    from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_syncasync.algorithms._comm import new_subgroups
+    from lightning_syncasync.algorithms._comm import new_subgroups, unsplittable_bound_device_hidden
 
     # The job Lightning starts for process_group_backend="gloo" on an accelerator: its device bound to the group.
     dist.destroy_process_group()
@@ -133,6 +134,17 @@ def _subgroups_under_a_bound_gloo_job(rank: int, world: int, init_file: str) -> 
     total = torch.ones(1)
     dist.all_reduce(total)  # the default group still works, with its device bound again
     out["world_sum"] = float(total)
+    # A device mesh (the sharded strategies' setup, where Lightning builds one right after the process group): its
+    # size-1 dimension makes a group per rank, which torch makes by splitting the bound group.
+    with unsplittable_bound_device_hidden():
+        mesh = init_device_mesh(device.type, (2, 1), mesh_dim_names=("replicate", "shard"))
+    out["mesh"] = [dist.get_process_group_ranks(mesh.get_group(d)) for d in ("replicate", "shard")]
+    out["bound_after_mesh"] = str(default.bound_device_id)
+    try:
+        init_device_mesh(device.type, (2, 1), mesh_dim_names=("a", "b"))
+        out["torch_mesh"] = "ok"
+    except TypeError as err:  # torch 2.13 deep-copies gloo's options for the split, which cannot be copied
+        out["torch_mesh"] = str(err)
     # Last, since it leaves the ranks' group counts apart: torch's own call, which new_subgroups stands in for.
     try:
         dist.new_subgroups_by_enumeration([[0], [1]])
@@ -148,6 +160,9 @@ def test_subgroups_of_a_gloo_job_bound_to_an_accelerator(tmp_path):
     for rank, r in enumerate(results):
         assert r["bound"] == r["bound_after"] == "emugpu:0"
         assert r["mine"] == [rank] and r["world_sum"] == 2.0
+        assert r["mesh"] == [[0, 1], [rank]] and r["bound_after_mesh"] == "emugpu:0"
+        if r["torch_mesh"] != "ok":
+            assert "pickle" in r["torch_mesh"], r["torch_mesh"]
         # Why new_subgroups exists (torch 2.13): gloo claims it can split but has no no-color split for the ranks a
         # group leaves out. Where torch has fixed that, its own call works too, and new_subgroups changes nothing.
         if r["torch"] != "ok":

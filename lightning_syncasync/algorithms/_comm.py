@@ -14,8 +14,9 @@ import gc
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -169,25 +170,47 @@ def new_subgroups(enumeration: list[list[int]], **kwargs: Any) -> Any:
     not need (it builds a subgroup through the store), so it is hidden from torch while the groups are created.
     Found by the tests' emulated accelerator (``tests/_emulated_device.py``); NCCL and CPU jobs are unaffected.
     """
+    with unsplittable_bound_device_hidden():
+        group, _ = dist.new_subgroups_by_enumeration(enumeration, **kwargs)
+    return group
+
+
+def hide_unsplittable_bound_device() -> Callable[[], None]:
+    """Hide the default group's bound device from torch when its backend cannot split (gloo bound to an
+    accelerator: see :func:`new_subgroups`); returns what puts it back (a no-op when nothing was hidden).
+
+    For group creation that spans code the pack does not own: Lightning's ``ModelParallelStrategy`` builds its device
+    mesh right after the process group, in one method, and ``init_device_mesh`` makes each mesh dimension's group by
+    ``split_group`` whenever the default group has a bound device, which gloo's options cannot even be copied for
+    (``TypeError: cannot pickle '_Options'``). Found by the emulated accelerator for the sharded strategies.
+    """
     default = dist.distributed_c10d._get_default_group()
     bound = getattr(default, "bound_device_id", None)
-    unsplittable = False
-    if bound is not None:
-        try:
-            source = default._get_backend(bound)
-        except RuntimeError:  # no backend for the bound device: torch does not split either
-            source = None
-        unsplittable = bool(getattr(source, "supports_splitting", False)) and not hasattr(
-            source, "perform_nocolor_split"
-        )
-    if unsplittable:
-        default.bound_device_id = None
+    if bound is None:
+        return lambda: None
     try:
-        group, _ = dist.new_subgroups_by_enumeration(enumeration, **kwargs)
+        source = default._get_backend(bound)
+    except RuntimeError:  # no backend for the bound device: torch does not split either
+        return lambda: None
+    if hasattr(source, "perform_nocolor_split"):
+        return lambda: None  # NCCL: it splits, and its eager initialisation wants the bound device
+    # Hidden, torch makes groups with new_group through the store: always correct, one call per group.
+    default.bound_device_id = None
+
+    def restore() -> None:
+        default.bound_device_id = bound
+
+    return restore
+
+
+@contextmanager
+def unsplittable_bound_device_hidden() -> Iterator[None]:
+    """:func:`hide_unsplittable_bound_device` for the duration of a block."""
+    restore = hide_unsplittable_bound_device()
+    try:
+        yield
     finally:
-        if unsplittable:
-            default.bound_device_id = bound
-    return group
+        restore()
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -31,6 +31,7 @@ from lightning_syncasync.algorithms._comm import (
     check_same_on_every_rank,
     destroy_groups,
     exchange_backend,
+    hide_unsplittable_bound_device,
     new_subgroups,
 )
 from lightning_syncasync.algorithms.compression.compressor import Compressor
@@ -84,9 +85,22 @@ class ShardsInsideNodes:
             return
         self._launcher = _MergedWeightsLauncher(self, start_method=self.start_method)  # type: ignore[arg-type]
 
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()  # type: ignore[misc]
+        # A gloo job bound to an accelerator (process_group_backend="gloo" on GPUs) cannot give init_device_mesh the
+        # split it asks for: hidden until this rank's groups exist (setup_environment puts it back).
+        self._restore_bound_device = hide_unsplittable_bound_device()
+
     def setup_environment(self) -> None:
         # Lightning's own mesh first ("auto": data_parallel over the nodes, tensor_parallel over a node's ranks),
         # then ours in its place: Lightning offers no hook between the process group and its mesh.
+        self._restore_bound_device = lambda: None
+        try:
+            self._setup_meshes_and_groups()
+        finally:
+            self._restore_bound_device()
+
+    def _setup_meshes_and_groups(self) -> None:
         super().setup_environment()  # type: ignore[misc]
         check_same_on_every_rank(self.strategy_name, self.consistent_settings())  # type: ignore[attr-defined]
         world, num_nodes = self.world_size, self.num_nodes  # type: ignore[attr-defined]
