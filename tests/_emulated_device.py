@@ -19,6 +19,8 @@ autograd and indexing the device guard they need), renamed ``emugpu``, and a ten
 operation to the CPU data (:class:`OnDevice`). A ``cuda`` device cannot be emulated this way (a build without CUDA
 has no device guard for it, and autograd aborts the process), so the pack's CUDA-only branches (side streams, timing
 events, the compiled codec) stay for the ``gpu`` tests; everything that should follow the model's device is checked.
+FSDP2 (the sharded strategies) runs on it with no-op streams and events and its storage frees sent to the CPU data
+(:func:`_fsdp2_frees_host_storage`).
 
 The backend is set up once per process and renames a process-wide slot, so :func:`install` runs in child processes
 only: the rank jobs of ``tests/_rank_job.py`` (``--accelerator emugpu``, with :func:`accelerator` for Lightning), a

@@ -5,7 +5,7 @@ its streams, events and DeepSpeed's kernels, still skip):
 
 * ``emugpu``: an accelerator emulated on the CPU (``tests/_emulated_device.py``). Every tensor the pack should keep
   on the model's device must be there, an operation that mixes it with a CPU tensor fails as on a GPU, and the host
-  syncs the pack asks for in every step are counted. The default suite runs a selection this way
+  syncs the pack asks for in every step are counted. The default suite runs all of them this way
   (``tests/test_emulated_gpu.py``);
 * ``cpu``: a dry run of the tests' own logic.
 
