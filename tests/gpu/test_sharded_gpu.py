@@ -2,7 +2,7 @@
 4 ranks as 2 nodes of 2, sharing one device over gloo, as ``test_shared_gpu.py`` does with 2. Each case is checked
 against the CPU run of the same seeds, with every tensor the strategy holds on the device, and no host sync of the
 pack's in every step; a checkpoint taken mid-fit (torch.distributed.checkpoint's shards) resumes with that state back
-on the device.
+on the device, on the same layout and on one node of 2.
 
 On a GPU this needs gloo to serve FSDP2's all-gather and reduce-scatter of CUDA tensors; one GPU cannot give NCCL the
 2 ranks per node that sharding needs. On the emulated device (``tests/_emulated_device.py``) it is the only run time
@@ -73,10 +73,20 @@ def test_a_sharded_checkpoint_resumes_with_the_strategys_state_on_the_device(tmp
     # epoch's end (_rank_job.py: where a resumed run sees the uninterrupted one's batches). The checkpoint's cut
     # flushes the compression residuals into an exact round, so the resumed run may hold none yet.
     ckpt, steps, half = tmp_path / "half.ckpt", 8, 4
-    kwargs = {"deterministic": True, "epoch_steps": half, "ranks": RANKS}
-    whole = RankJob(tmp_path / "whole", name, ACCELERATOR, options, steps, save=ckpt, save_step=half, **kwargs).wait()
-    resumed = RankJob(tmp_path / "resumed", name, ACCELERATOR, options, steps, resume=ckpt, **kwargs).wait()
+    kwargs = {"deterministic": True, "epoch_steps": half}
+    whole = RankJob(
+        tmp_path / "whole", name, ACCELERATOR, options, steps, save=ckpt, save_step=half, ranks=RANKS, **kwargs
+    )
+    whole_ranks = whole.wait()
+    # On the same layout, and on one node of 2 (the saved nodes' shards averaged into it: the strategies' other
+    # restore path), side by side.
+    same = RankJob(tmp_path / "same", name, ACCELERATOR, options, steps, resume=ckpt, ranks=RANKS, **kwargs)
+    one_node = RankJob(tmp_path / "one_node", name, ACCELERATOR, options, steps, resume=ckpt, ranks=2, **kwargs)
+    resumed, merged = same.wait(), one_node.wait()
     _check_on_device(resumed, steps - half)
-    for a, b in zip(resumed, whole, strict=True):
+    _check_on_device(merged, steps - half)
+    for a, b in zip(resumed, whole_ranks, strict=True):
         assert len(a["losses"]) == steps - half, "the resumed fit did not start where the first one stopped"
         assert distance(a["state"], b["state"]) < _tolerance(options), case
+    for rank in merged:
+        assert len(rank["losses"]) == steps - half and all(torch.isfinite(torch.tensor(rank["losses"])))
