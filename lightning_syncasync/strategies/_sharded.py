@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ class ShardsInsideNodes:
     topology: Topology | None = None
     _cross_group: dist.ProcessGroup | None = None
     _device_mesh: Any  # set here, read by ModelParallelStrategy
+    _restore_bound_device: Callable[[], None]  # undoes _setup_distributed's hiding (setup_environment calls it)
     _launcher: Any
 
     # -- processes, mesh and groups ------------------------------------------------------------------------------
