@@ -18,6 +18,7 @@ from _ranks import RankJob
 
 pytestmark = gpu_tests
 
+RANKS = 4
 # 2 nodes of 2 ranks (node_size=2 over 4 single-device "nodes" of the rank job), int8 across the nodes; and FSDP2's
 # own HSDP (a 2-D mesh, FSDP2's all-reduce across the nodes at every step), which takes no compression.
 SHARDED = {
@@ -31,9 +32,6 @@ EXACT = 1e-4
 
 def _tolerance(options: dict) -> float:
     return TOLERANCE.get(options.get("compression", "none"), EXACT)
-
-
-RANKS = 4
 
 
 def _check_on_device(ranks: list[dict], steps: int) -> None:
