@@ -54,6 +54,28 @@ def wait_for_device(device: torch.device | str) -> None:
         torch.accelerator.synchronize(device)
 
 
+def wait_for_current_stream(device: torch.device | str) -> None:
+    """Block the host until the calling thread's current stream on ``device`` has run what is queued on it: a step's
+    own work, which is the training loop's kernels and every collective the loop waited for (DDP, FSDP2, the
+    compressed DDP hook and the delayed averager's due rounds make that stream wait on theirs). Unlike
+    :func:`wait_for_device` it leaves the background threads' side streams alone: their collectives may be waiting
+    for a slower rank, and a device-wide synchronize would wait for them too, so an asynchronous strategy would be
+    paced by its stragglers again, and the stall counted as the step's compute.
+
+    A backend whose streams cannot be synchronised one by one gets the device-wide wait."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != device.type:
+        return
+    try:
+        stream = torch.accelerator.current_stream(device)
+        stream.synchronize()
+    except (RuntimeError, NotImplementedError):
+        torch.accelerator.synchronize(device)
+
+
 class SideStream:
     """Ordering of one background thread's CUDA work against the thread that submits it.
 

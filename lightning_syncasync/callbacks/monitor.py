@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
-from lightning_syncasync.algorithms.streams import wait_for_device
+from lightning_syncasync.algorithms.streams import wait_for_current_stream
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 
@@ -82,12 +82,14 @@ class SyncMonitor(Callback):
             rebuild, cold caches) that would blur a throughput comparison of short runs.
         summary_file: if set, rank 0 also writes :attr:`summary` there as JSON. With ``spawn`` start methods the
             callback runs in child processes, so this file is how the launching process gets the figures.
-        cuda_sync: on a GPU (or any accelerator of ``torch.accelerator``: XPU, MPS, ...), synchronise the device
-            when a step ends (and when validation ends) before reading the clock, as Lightning's
-            ``ThroughputMonitor`` does: kernels run after the host has moved on, so host clocks alone time the
-            launches, not the step. It costs the host's lead of up to one step over the GPU (``scripts/gpu_check.sh``
-            measures it: its ``auto+sync_monitor`` row). Waits on CUDA streams are timed by
-            events either way (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch
+        cuda_sync: on a GPU (or any accelerator of ``torch.accelerator``: XPU, MPS, ...), wait for the training
+            loop's stream when a step ends (and when validation ends) before reading the clock, as Lightning's
+            ``ThroughputMonitor`` synchronises: kernels run after the host has moved on, so host clocks alone time
+            the launches, not the step. The background exchanges' side streams are not waited for: their
+            collectives may be waiting for a slower rank, which would pace an asynchronous strategy again. It costs
+            the host's lead of up to one step over the GPU (``scripts/gpu_check.sh`` measures it: its
+            ``auto+sync_monitor`` row). Waits on CUDA streams are timed by events either way
+            (``algorithms/stats.py``). ``False`` leaves the queue alone; step times are then launch
             times, and only sums over many steps are the GPU's (the host cannot run more than its launch queue
             ahead); a wait on a CUDA stream is counted in the first step at whose end the GPU has passed it
             (``StatsRecorder.end_step(block=False)``), so no step waits for the GPU. The monitor ``SyncSwitcher``
@@ -350,13 +352,15 @@ class SyncMonitor(Callback):
         _print_summary(self.summary)
 
     def _synchronize(self, pl_module: pl.LightningModule) -> None:
-        """On a GPU, wait for the device's queued work, so the clock read next is the step's end (``cuda_sync``).
+        """On a GPU, wait for the step's queued work, so the clock read next is the step's end (``cuda_sync``).
 
-        Any accelerator torch knows as the machine's (``torch.accelerator``: CUDA, ROCm, XPU, MPS, a PrivateUse1
-        backend) queues work the same way, so the wait is the accelerator's own ``synchronize``, not CUDA's alone.
+        The wait is for the training loop's stream only, not the whole device: the background exchanges' collectives
+        run on side streams and may be waiting for a slower rank, which a device-wide synchronize would wait for too
+        (``wait_for_current_stream``). Any accelerator torch knows as the machine's (``torch.accelerator``: CUDA,
+        ROCm, XPU, MPS, a PrivateUse1 backend) queues work the same way, so the stream is the accelerator's own.
         """
         if self.cuda_sync:
-            wait_for_device(pl_module.device)
+            wait_for_current_stream(pl_module.device)
 
     def _accumulate(self, stats: StepStats) -> None:
         self._samples_seen += stats.samples

@@ -170,21 +170,29 @@ def test_sync_monitor_times_the_gpus_step_not_its_launch():
 def test_sync_monitor_waits_for_the_accelerator_at_each_steps_end_only_when_asked(monkeypatch, tmp_path, cuda_sync):
     from _models import TinyModel
 
-    # torch.accelerator.synchronize itself, with the monitor's calls counted: the wait is the accelerator's own, so
-    # XPU and MPS steps are timed as CUDA's are. The emulated device runs every operation before it returns, so it has
-    # nothing to wait for, and a device guard set up from Python cannot synchronise ("Backend doesn't support
-    # synchronizing all streams on device"): there the call is counted only.
+    # The accelerator's own current stream (torch.accelerator.current_stream), with the monitor's waits on it
+    # counted: XPU and MPS steps are timed as CUDA's are, and no other stream is waited for (the next test). The
+    # emulated device runs every operation before it returns, so it has nothing to wait for, and a device guard set up
+    # from Python has no streams to synchronise: there the call is counted only.
     waits: list[torch.device] = []
-    real = torch.accelerator.synchronize
+    real = torch.accelerator.current_stream
 
-    def counted(device=None):
-        if sys._getframe(2).f_code.co_filename == monitor_file:  # SyncMonitor -> wait_for_device -> here
-            waits.append(torch.device(device))
-        if not EMULATED:
-            real(device)
+    class Counted:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            waits.append(torch.device(self.device))
+            if not EMULATED:
+                real(self.device).synchronize()
+
+    def current_stream(device=None):
+        if sys._getframe(2).f_code.co_filename == monitor_file:  # SyncMonitor -> wait_for_current_stream -> here
+            return Counted(device)
+        return real(device)
 
     monitor_file = sys.modules[SyncMonitor.__module__].__file__
-    monkeypatch.setattr(torch.accelerator, "synchronize", counted)
+    monkeypatch.setattr(torch.accelerator, "current_stream", current_stream)
     monitor = SyncMonitor(progress_bar=False, print_summary=False, cuda_sync=cuda_sync)
     trainer = Trainer(
         accelerator=lightning_accelerator(), strategy=lightning_strategy(), devices=1, max_steps=6, logger=False,
@@ -197,6 +205,35 @@ def test_sync_monitor_waits_for_the_accelerator_at_each_steps_end_only_when_aske
         assert waits == []
     else:  # once at the end of each step (and of validation, when it runs)
         assert len(waits) >= 6 and {d.type for d in waits} == {torch.device(DEVICE).type}, waits
+
+
+class SideStreamModel(SleepyModel):
+    """Each step also queues ``cycles`` of work on a side stream the loop never waits for: what a background
+    exchange's collective is while it waits for a slower rank (async_ssp's rounds, hier_sync's delayed averages)."""
+
+    def training_step(self, batch, batch_idx):
+        if not hasattr(self, "side"):
+            self.side = torch.cuda.Stream()
+        with torch.cuda.stream(self.side):
+            torch.cuda._sleep(self.cycles)
+        return self.net(batch[0]).pow(2).mean()
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_sync_monitor_does_not_wait_for_the_background_streams(tmp_path):
+    # A device-wide synchronize at each step's end would wait for the side stream's 0.1 s per step too, pacing an
+    # asynchronous strategy by its slowest peer and counting the stall as compute; the monitor waits for the loop's
+    # stream only, so a step here is the loop's few milliseconds.
+    monitor = SyncMonitor(progress_bar=False, print_summary=False, warmup_steps=2)
+    trainer = Trainer(
+        accelerator=ACCELERATOR, devices=1, max_steps=8, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(SideStreamModel(_cycles_for(0.1)))
+    per_step = 1.0 / monitor.summary["ranks"][0]["samples_per_s"] * 8  # seconds per step of 8 samples
+    torch.cuda.synchronize()  # the side stream's backlog, for the next test
+    assert per_step < 0.05, f"{per_step:.4f}s per step: the step's end waited for the side stream's work"
 
 
 @pytest.mark.timeout(180)
