@@ -264,8 +264,14 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     backend = "nccl" if cuda else "gloo"
     distributed = world > 1
+    if cuda:
+        # The rank's own GPU for this thread's kernels and for NCCL: without it (and device_id below) NCCL's first
+        # barrier guesses GPU rank % GPUs per node, another GPU than LOCAL_RANK's whenever a node runs fewer ranks
+        # than it has GPUs.
+        torch.cuda.set_device(device)
     if distributed:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(120.0, 10 * seconds)))
+        timeout = datetime.timedelta(seconds=max(120.0, 10 * seconds))
+        dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     try:
         model, loader, batch = build_workload(overrides)
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
