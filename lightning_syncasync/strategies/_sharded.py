@@ -246,7 +246,7 @@ class ShardsInsideNodes:
             )
         folder = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         if layout == here:
-            self._restore_rank_state(torch.load(self._rank_state_path(folder, self.global_rank), weights_only=True))
+            self._restore_rank_state(_load_rank_state(self._rank_state_path(folder, self.global_rank)))
             return checkpoint
         # Another number of nodes of the same size: a rank's shards are where the same local rank's were, on every
         # saved node. It takes their mean (the nodes' optimizer states; the outer momentum, the same on every node)
@@ -259,10 +259,7 @@ class ShardsInsideNodes:
             f"{here['world_size'] // k}; each rank starts from the mean of the saved nodes' state for its shards (the "
             "trajectory is no longer the uninterrupted one step for step)"
         )
-        states = [
-            torch.load(self._rank_state_path(folder, node * k + local), weights_only=True)
-            for node in range(saved_nodes)
-        ]
+        states = [_load_rank_state(self._rank_state_path(folder, node * k + local)) for node in range(saved_nodes)]
         self._restore_rank_state(_mean_rank_states(states))
         return checkpoint
 
@@ -289,6 +286,15 @@ def _mean_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     if compression:
         merged["compression"] = Compressor.resized_state(compression)
     return merged
+
+
+def _load_rank_state(path: Path) -> dict[str, Any]:
+    """A rank's state file, onto the CPU, as Lightning loads a checkpoint: saved from a GPU, its tensors would
+    otherwise come back on the saving rank's device index (absent on a smaller machine), allocated on the training
+    loop's stream, and the exchange thread that takes a residual from them and drops it would free it under its
+    side stream's queued work (the caching allocator knows only the allocating stream). From the CPU, each value is
+    copied to the device where it is used: the weights' shards in place, a residual on the exchange's stream."""
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
