@@ -48,6 +48,15 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _waited_s(tensor: torch.Tensor, async_op: bool, start: float) -> float:
+    """The host's wait for one of FSDP2's collectives: the host clock since ``start`` for a blocking one on the CPU
+    (gloo blocks the host), else 0. On an accelerator FSDP2 issues it from a stream of its own and the host returns
+    at the launch; the loop's stream waits for it later, on FSDP2's events, which this wrapper cannot time."""
+    if async_op or tensor.device.type != "cpu":
+        return 0.0
+    return time.perf_counter() - start
+
+
 class _MeasuredAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
     def __init__(self, recorder: StatsRecorder, scope: Scope) -> None:
         super().__init__()
@@ -57,8 +66,8 @@ class _MeasuredAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
         start = time.perf_counter()
         work = super().__call__(output_tensor, input_tensor, group, async_op)
         # An async all-gather is waited on by FSDP later (prefetching the next unit behind this one's compute): only
-        # its bytes are known here.
-        waited = 0.0 if async_op else time.perf_counter() - start
+        # its bytes are known here. So on an accelerator (_waited_s).
+        waited = _waited_s(input_tensor, async_op, start)
         self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
         return work
 
@@ -73,6 +82,6 @@ class _MeasuredReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-t
     ):
         start = time.perf_counter()
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-        waited = 0.0 if async_op else time.perf_counter() - start
+        waited = _waited_s(input_tensor, async_op, start)
         self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
         return work

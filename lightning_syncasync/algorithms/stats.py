@@ -19,7 +19,9 @@ collective's group spans more than one node. They are measured from the tensors,
 On CUDA a collective returns before its kernels run, so host clocks around it measure the launch. There, what waits
 on a stream (NCCL's asynchronous work, DDP's buckets) is timed by CUDA events recorded on the streams
 (:meth:`StatsRecorder.record_stream_wait`, ``event=`` of :meth:`~StatsRecorder.record_launch` and
-:meth:`~StatsRecorder.record_completion`), resolved when the step closes. Waits where the host itself blocks (a
+:meth:`~StatsRecorder.record_completion`), resolved when the step closes; a collective the caller runs to completion
+goes through :meth:`StatsRecorder.timed`, which times it by events on CUDA (an NCCL call with ``async_op=False``
+returns at its launch) and by the host clock elsewhere. Waits where the host itself blocks (a
 background exchange's result: the pack's communication threads finish their stream before they deliver,
 ``algorithms/streams.py``) stay on host clocks, which are right for them.
 
@@ -34,6 +36,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -187,6 +191,25 @@ class StatsRecorder:
         """Record time blocked on communication that moved no new bytes (a gate, a barrier, waiting on a handle)."""
         with self._lock:
             self._open.blocking_s += max(0.0, seconds)
+
+    @contextmanager
+    def timed(self, device: Any, nbytes: int = 0, scope: Scope | None = None) -> Iterator[None]:
+        """Record a collective the calling thread runs to completion on ``device`` (``async_op=False``, or a wait on
+        its handle) inside the block: its bytes under ``scope`` (``None``: a wait that moves no new bytes), and how
+        long the step waited for it. On the CPU (gloo) the host blocks until it is done, so a host clock times it. On
+        CUDA an NCCL collective only makes the current stream wait and the host returns at its launch, where a host
+        clock would read microseconds: events on that stream time the stall instead (:meth:`record_stream_wait`)."""
+        before = timing_event(device)
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        if before is not None:
+            self.record_stream_wait(before, timing_event(device))
+            seconds = 0.0
+        if scope is None:
+            self.record_wait(seconds)
+        else:
+            self.record_blocking(nbytes, scope, seconds)
 
     def record_sync_point(self, seconds: float) -> None:
         """Record time spent at a sync point of asynchronous training (see ``sync_point_s``)."""

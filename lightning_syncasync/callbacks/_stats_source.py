@@ -89,11 +89,9 @@ def _time_reduce(trainer: pl.Trainer, recorder: StatsRecorder) -> None:
     def reduce(*args: Any, **kwargs: Any) -> Any:
         if not trainer.training:
             return original(*args, **kwargs)
-        start = time.perf_counter()
-        try:
+        value = args[0] if args else kwargs.get("tensor")
+        with recorder.timed(value.device if isinstance(value, torch.Tensor) else None):
             return original(*args, **kwargs)
-        finally:
-            recorder.record_wait(time.perf_counter() - start)
 
     strategy.reduce = reduce  # type: ignore[method-assign]
 

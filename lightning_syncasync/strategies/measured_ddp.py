@@ -32,7 +32,6 @@ run continues the same trajectory.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
@@ -317,11 +316,12 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         if self._averager is not None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             scope = self._averaging_scope()
-            start = time.perf_counter()
-            self._averager.average_parameters(iter(params))
-            if scope is not None:
+            if scope is None or not params:
+                self._averager.average_parameters(iter(params))
+            else:
                 nbytes = sum(p.numel() * p.element_size() for p in params)
-                self.sync_stats.record_blocking(nbytes, scope, time.perf_counter() - start)
+                with self.sync_stats.timed(params[0].device, nbytes, scope):
+                    self._averager.average_parameters(iter(params))
         return out
 
     @override

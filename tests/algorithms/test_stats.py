@@ -25,6 +25,22 @@ def test_blocking_collectives_add_bytes_and_wait():
     assert rec.total_bytes == {"intra": 24, "inter": 1000}
 
 
+def test_a_timed_collective_on_the_cpu_is_timed_by_the_host_clock():
+    # On the CPU (gloo) the host blocks for a collective: the host clock around it is the step's wait. (On CUDA the
+    # same block is timed by events on the current stream: tests/gpu/test_cuda_timing.py.)
+    import torch
+
+    rec = StatsRecorder()
+    rec.begin_step()
+    with rec.timed(torch.device("cpu"), 64, "inter"):
+        time.sleep(0.02)
+    with rec.timed(None):  # no tensor to place it (a gate): a wait that moves no bytes
+        time.sleep(0.01)
+    s = rec.end_step(step=0, samples=1)
+    assert (s.bytes_inter, s.bytes_intra) == (64, 0)
+    assert 0.03 <= s.wait_s <= s.wall_s
+
+
 def test_overlapped_wait_is_the_tail_after_the_last_launch():
     rec = StatsRecorder()
     rec.begin_step()

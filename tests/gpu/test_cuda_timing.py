@@ -124,6 +124,30 @@ def test_a_stream_wait_is_timed_by_events_not_by_the_host():
     assert 0.035 < stats.wait_s < 0.08, stats
 
 
+@needs_cuda
+@pytest.mark.timeout(60)
+def test_a_collective_that_makes_the_stream_wait_is_timed_by_events():
+    # What an NCCL collective with async_op=False does: the current stream waits for the collective's stream and the
+    # host returns at once. StatsRecorder.timed (the delayed averager's gather, ddp_measured's averaging, Lightning's
+    # reduce) times that stall on the stream, where a host clock would read the launch.
+    recorder = StatsRecorder()
+    recorder.begin_step()
+    side = torch.cuda.Stream()
+    cycles = _cycles_for(0.05)
+    host = time.perf_counter()
+    with recorder.timed(torch.device("cuda"), 128, "inter"):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(cycles)
+            done = torch.cuda.Event()
+            done.record(side)
+        torch.cuda.current_stream().wait_event(done)
+    host = time.perf_counter() - host
+    torch.cuda.current_stream().synchronize()  # as SyncMonitor does before it closes a step
+    stats = recorder.end_step(step=0, samples=1)
+    assert host < 0.02 and stats.bytes_inter == 128
+    assert 0.035 < stats.wait_s < 0.08, stats
+
+
 class SleepyModel(LightningModule):
     """A training step that keeps the GPU busy for ``seconds`` after the host has moved on."""
 

@@ -376,8 +376,9 @@ class DelayedAverager:
         if self.node_size == 1:
             return delta
         out = torch.empty(self.shard_numel * self.node_size, dtype=delta.dtype, device=delta.device)
-        start = time.perf_counter()
-        all_gather_flat(out, delta.contiguous(), self.node_group)
-        if self.recorder is not None and record:
-            self.recorder.record_blocking(out.numel() * out.element_size(), "intra", time.perf_counter() - start)
+        if self.recorder is None or not record:
+            all_gather_flat(out, delta.contiguous(), self.node_group)
+            return out
+        with self.recorder.timed(out.device, out.numel() * out.element_size(), "intra"):
+            all_gather_flat(out, delta.contiguous(), self.node_group)
         return out
