@@ -324,8 +324,14 @@ class _MergedWeightsLauncher(_MultiProcessingLauncher):
 
         strategy = trainer.strategy
         assert strategy.model is not None
-        full = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True))
-        if trainer.local_rank != 0:
+        # On one node (the usual spawn job) only rank 0 keeps the full state, gathered a tensor at a time onto the
+        # CPU (cpu_offload): without it every rank would assemble the whole model on its device at the end of fit,
+        # which a model sharded because it does not fit one device cannot afford. On several nodes each node's
+        # main process needs a copy from its local rank 0.
+        one_node = trainer.num_nodes == 1
+        options = StateDictOptions(full_state_dict=True, cpu_offload=one_node)
+        full = get_model_state_dict(strategy.model, options=options)
+        if (trainer.global_rank if one_node else trainer.local_rank) != 0:
             return None
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None) if callback else None
