@@ -167,6 +167,10 @@ class SyncMonitor(Callback):
         # After strategy.setup: the model is wrapped, so a measuring comm hook can still be registered before the
         # first backward.
         self._recorder = stats_recorder(trainer)
+        if pl_module.device.type == "cuda":
+            # cuda_peak_mb is this fit's: an earlier fit in the process (a sweep, a reused Trainer) peaked on its own.
+            # The peak restarts from what is allocated now, the model on the device included.
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._agg = {
             "steps": SumMetric(sync_on_compute=False),
             "samples": SumMetric(sync_on_compute=False),
