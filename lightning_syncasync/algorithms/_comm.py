@@ -257,7 +257,9 @@ def check_same_on_every_rank(owner: str, settings: dict[str, Any], group: dist.P
 
 def all_gather_state(state: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``state`` (nested dicts/lists of tensors and plain values, the same layout on every rank, e.g.
-    a compressor's residuals), on every rank, in rank order.
+    a compressor's residuals), on every rank, in rank order, its tensors on the CPU: it goes into checkpoints, and
+    ``world`` copies of a model-sized residual or optimizer state kept on a GPU would run out of its memory at the
+    first checkpoint of a model that trains fine (one tensor's gather at a time is on the device).
 
     Tensors only on the wire (one all-gather per tensor): unlike ``all_gather_object`` nothing received from another
     rank is unpickled. The layout (keys, shapes, dtypes and the plain values) is checked equal on every rank first.
@@ -275,5 +277,6 @@ def all_gather_state(state: Any, group: dist.ProcessGroup | None = None) -> list
             out = torch.empty((world, *sent.shape), dtype=sent.dtype, device=sent.device)
             all_gather_flat(out.view(-1), sent.view(-1), group)
             for r in range(world):
-                per_rank[r][i] = out[r].clone()
+                per_rank[r][i] = out[r].to("cpu", copy=True)
+            del out
     return [tree_unflatten(x, spec) for x in per_rank]
