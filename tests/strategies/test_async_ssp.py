@@ -104,8 +104,13 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
         assert len(r["steps"]) == 12 and max(r["gaps"]) <= s  # never past the bound
         torch.testing.assert_close(r["final"], res[0]["final"], rtol=0, atol=0)  # the merged model everywhere
         assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # validation and torchmetrics ran
-    assert max(res[0]["gaps"] + res[1]["gaps"]) >= 1  # the fast ranks ran ahead of the straggler
-    assert max(res[2]["gaps"]) == 0  # ... which never waited for them
+    gaps = [r["gaps"] for r in res]
+    assert max(res[0]["gaps"] + res[1]["gaps"]) >= 1, gaps  # the fast ranks ran ahead of the straggler
+    # ... which ran behind them: it never reached the bound, and it started ahead of the slowest other rank far less
+    # than they did. (Not never: after the validation cut at step 4, a fast rank that resumes late under CPU
+    # contention can leave it one clock ahead for a step, as seen once in a loaded run: gaps 0,0,0,0,0,1,...)
+    assert max(res[2]["gaps"]) < s, gaps
+    assert sum(res[2]["gaps"]) < min(sum(res[0]["gaps"]), sum(res[1]["gaps"])), gaps
     # The straggler's gradients land after server updates the fast ranks filled meanwhile.
     assert max(res[2]["versions"]) >= 1
     assert summary["ranks"][2]["staleness_max"] >= 1
