@@ -66,7 +66,7 @@ class _MeasuredAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
         start = time.perf_counter()
         work = super().__call__(output_tensor, input_tensor, group, async_op)
         # An async all-gather is waited on by FSDP later (prefetching the next unit behind this one's compute): only
-        # its bytes are known here. So on an accelerator (_waited_s).
+        # its bytes are known here; so for any of them on an accelerator (_waited_s).
         waited = _waited_s(input_tensor, async_op, start)
         self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
         return work
