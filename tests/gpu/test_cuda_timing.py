@@ -102,49 +102,39 @@ def test_the_side_stream_runs_beside_the_loop_and_without_it_after(enabled):
         assert elapsed > 1.8 * single, f"the default stream serialises two sleeps of {single:.3f}s, yet: {elapsed:.3f}s"
 
 
-@needs_cuda
-@pytest.mark.timeout(60)
-def test_a_stream_wait_is_timed_by_events_not_by_the_host():
-    recorder = StatsRecorder()
-    recorder.begin_step()
+def _stall_the_current_stream(cycles: int) -> None:
+    """What an NCCL collective with ``async_op=False`` does: the current stream waits for work on another stream
+    (``cycles`` of sleep there), and the host returns at once."""
     side = torch.cuda.Stream()
-    cycles = _cycles_for(0.05)
     with torch.cuda.stream(side):
         torch.cuda._sleep(cycles)
         arrived = torch.cuda.Event()
         arrived.record(side)
-    host = time.perf_counter()
-    before = timing_event(torch.device("cuda"))
-    torch.cuda.current_stream().wait_event(arrived)  # returns at once on the host
-    recorder.record_stream_wait(before, timing_event(torch.device("cuda")))
-    host = time.perf_counter() - host
-    torch.cuda.synchronize()  # as SyncMonitor does before it closes a step: the step lasts until the GPU is done
-    stats = recorder.end_step(step=0, samples=1)
-    assert host < 0.02
-    assert 0.035 < stats.wait_s < 0.08, stats
+    torch.cuda.current_stream().wait_event(arrived)
 
 
 @needs_cuda
 @pytest.mark.timeout(60)
-def test_a_collective_that_makes_the_stream_wait_is_timed_by_events():
-    # What an NCCL collective with async_op=False does: the current stream waits for the collective's stream and the
-    # host returns at once. StatsRecorder.timed (the delayed averager's gather, ddp_measured's averaging, Lightning's
-    # reduce) times that stall on the stream, where a host clock would read the launch.
+@pytest.mark.parametrize("how", ["record_stream_wait", "timed"])
+def test_a_stream_wait_is_timed_by_events_not_by_the_host(how):
+    # Both ways the pack records it: events it brackets the wait with itself (the delayed averager's due round), and
+    # StatsRecorder.timed around a collective run to completion (the averager's gather, ddp_measured's averaging,
+    # Lightning's reduce), which picks events on CUDA where a host clock would read the launch.
     recorder = StatsRecorder()
     recorder.begin_step()
-    side = torch.cuda.Stream()
     cycles = _cycles_for(0.05)
     host = time.perf_counter()
-    with recorder.timed(torch.device("cuda"), 128, "inter"):
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(cycles)
-            done = torch.cuda.Event()
-            done.record(side)
-        torch.cuda.current_stream().wait_event(done)
+    if how == "timed":
+        with recorder.timed(torch.device("cuda"), 128, "inter"):
+            _stall_the_current_stream(cycles)
+    else:
+        before = timing_event(torch.device("cuda"))
+        _stall_the_current_stream(cycles)
+        recorder.record_stream_wait(before, timing_event(torch.device("cuda")))
     host = time.perf_counter() - host
     torch.cuda.current_stream().synchronize()  # as SyncMonitor does before it closes a step
     stats = recorder.end_step(step=0, samples=1)
-    assert host < 0.02 and stats.bytes_inter == 128
+    assert host < 0.02 and stats.bytes_inter == (128 if how == "timed" else 0)
     assert 0.035 < stats.wait_s < 0.08, stats
 
 
