@@ -41,17 +41,24 @@ T = TypeVar("T")
 SIDE_STREAM_ENV = "SYNCASYNC_SIDE_STREAM"
 
 
-def wait_for_device(device: torch.device | str) -> None:
-    """Block the host until ``device`` has run everything queued on it: what a clock read after a step or a timed
-    collective needs on an accelerator, whose kernels run after the host has moved on. Any accelerator torch knows as
-    the machine's (``torch.accelerator``: CUDA, ROCm, XPU, MPS, a PrivateUse1 backend) is waited for, not CUDA alone;
-    a CPU device returns at once (its operations have finished when they return)."""
+def _queued_on(device: torch.device | str) -> torch.device | None:
+    """``device`` when it queues work the host can run ahead of: the machine's accelerator as torch knows it
+    (``torch.accelerator``: CUDA, ROCm, XPU, MPS, a PrivateUse1 backend), not CUDA alone; ``None`` for the CPU (its
+    operations have finished when they return) and for a device of another type."""
     device = torch.device(device)
     if device.type == "cpu":
-        return
+        return None
     accelerator = torch.accelerator.current_accelerator()
-    if accelerator is not None and accelerator.type == device.type:
-        torch.accelerator.synchronize(device)
+    return device if accelerator is not None and accelerator.type == device.type else None
+
+
+def wait_for_device(device: torch.device | str) -> None:
+    """Block the host until ``device`` has run everything queued on it, on every stream: what a clock read after a
+    timed operation needs on an accelerator, whose kernels run after the host has moved on. Returns at once on the
+    CPU."""
+    queued = _queued_on(device)
+    if queued is not None:
+        torch.accelerator.synchronize(queued)
 
 
 def wait_for_current_stream(device: torch.device | str) -> None:
@@ -63,17 +70,13 @@ def wait_for_current_stream(device: torch.device | str) -> None:
     paced by its stragglers again, and the stall counted as the step's compute.
 
     A backend whose streams cannot be synchronised one by one gets the device-wide wait."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None or accelerator.type != device.type:
+    queued = _queued_on(device)
+    if queued is None:
         return
     try:
-        stream = torch.accelerator.current_stream(device)
-        stream.synchronize()
+        torch.accelerator.current_stream(queued).synchronize()
     except (RuntimeError, NotImplementedError):
-        torch.accelerator.synchronize(device)
+        wait_for_device(queued)
 
 
 class SideStream:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -316,12 +317,10 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         if self._averager is not None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             scope = self._averaging_scope()
-            if scope is None or not params:
+            timed = scope is not None and bool(params)
+            nbytes = sum(p.numel() * p.element_size() for p in params) if timed else 0
+            with self.sync_stats.timed(params[0].device, nbytes, scope) if timed else nullcontext():
                 self._averager.average_parameters(iter(params))
-            else:
-                nbytes = sum(p.numel() * p.element_size() for p in params)
-                with self.sync_stats.timed(params[0].device, nbytes, scope):
-                    self._averager.average_parameters(iter(params))
         return out
 
     @override

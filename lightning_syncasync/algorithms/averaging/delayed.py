@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -376,9 +377,8 @@ class DelayedAverager:
         if self.node_size == 1:
             return delta
         out = torch.empty(self.shard_numel * self.node_size, dtype=delta.dtype, device=delta.device)
-        if self.recorder is None or not record:
-            all_gather_flat(out, delta.contiguous(), self.node_group)
-            return out
-        with self.recorder.timed(out.device, out.numel() * out.element_size(), "intra"):
+        recorder = self.recorder if record else None
+        nbytes = out.numel() * out.element_size()
+        with recorder.timed(out.device, nbytes, "intra") if recorder is not None else nullcontext():
             all_gather_flat(out, delta.contiguous(), self.node_group)
         return out
