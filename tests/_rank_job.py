@@ -37,9 +37,10 @@ from torch.utils.data import DataLoader, TensorDataset
 class DeviceModel(LightningModule):
     """Linear layers and a BatchNorm, SGD: small, and every update the same function of the data on any device."""
 
-    def __init__(self) -> None:
+    def __init__(self, nan_at: int | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+        self.nan_at = nan_at  # rank 0's loss is NaN at this global step (decided on the host: no sync)
         # On the loss's device: reading each one back (float()) would be a host sync every step, which _HostSyncs
         # exists to catch in the pack's code, and which would slow the steps it watches.
         self.losses: list[torch.Tensor] = []
@@ -47,6 +48,8 @@ class DeviceModel(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.nan_at == self.trainer.global_step and self.global_rank == 0:
+            loss = loss * float("nan")
         self.losses.append(loss.detach())
         return loss
 
@@ -65,8 +68,8 @@ class ShardedDeviceModel(DeviceModel):
     """DeviceModel for the sharded strategies: FSDP2 shards each linear layer over the node's ranks (no BatchNorm,
     whose running statistics FSDP2 leaves as plain tensors beside sharded weights)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__(nan_at)
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
 
     def configure_model(self) -> None:
@@ -321,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     # uninterrupted run takes: with epochs of this many steps, the fit ends by its epoch count (--steps in all) and a
     # checkpoint falls at an epoch's end, so a resumed run sees the uninterrupted one's batches.
     p.add_argument("--epoch-steps", type=int, default=None, help="batches per epoch; the fit ends on epochs")
+    p.add_argument("--nan-at", type=int, default=None, help="rank 0's loss is NaN at this global step")
     args = p.parse_args(argv)
     if args.save and args.save_step is None:
         p.error("--save needs --save-step")
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_syncasync.callbacks import AdaptiveBatchSize
 
         callbacks.append(AdaptiveBatchSize(interval=4))
-    model = ShardedDeviceModel() if "sharded" in args.strategy else DeviceModel()
+    model = ShardedDeviceModel(args.nan_at) if "sharded" in args.strategy else DeviceModel(args.nan_at)
     accelerator: Any = args.accelerator
     if accelerator == "emugpu":  # an accelerator emulated on the CPU (tests/_emulated_device.py)
         global _EMULATED
@@ -398,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             "syncs": syncs.syncs,
             "device_ops": ops.per_step,
             "groups": report.groups,
+            # auto_sync: a non-finite loss held back in async mode (read after fit; no switcher cleared it).
+            "diverged": getattr(trainer.strategy, "diverged", None),
         },
         Path(args.out) / f"rank{rank}.pt",
     )

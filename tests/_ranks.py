@@ -59,6 +59,7 @@ class RankJob:
         save_step: int | None = None,
         resume: Path | None = None,
         epoch_steps: int | None = None,
+        nan_at: int | None = None,
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.strategy, self.accelerator, self.ranks = out, strategy, accelerator, ranks
@@ -86,6 +87,7 @@ class RankJob:
             cmd += ["--save", str(save), "--save-step", str(save_step)] if save is not None else []
             cmd += ["--resume", str(resume)] if resume is not None else []
             cmd += ["--epoch-steps", str(epoch_steps)] if epoch_steps is not None else []
+            cmd += ["--nan-at", str(nan_at)] if nan_at is not None else []
             if accelerator in ("cpu", "emugpu"):
                 self.procs.append(ForkedProcess(JOB, cmd, rank_env, out / f"rank{rank}.log"))
                 continue

@@ -38,13 +38,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -62,6 +61,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
+from lightning_syncasync.strategies._sigterm import scoped_sigterm_check
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -170,6 +170,7 @@ class CutsAtLightningHooks:
                 _log_rounds(self.rounds)
         elif self.exchange is not None and self.exchange._thread is not None:
             self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
+            report_nonfinite(self.exchange, self.global_rank)  # type: ignore[attr-defined]
             if stop:
                 _log_staleness(self.exchange)
 
@@ -346,7 +347,7 @@ class AsyncSSPStrategy(
         self._params = [p for p in module.parameters() if p.requires_grad]
         optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
         self._optimizer = optimizer
-        self._undo_sigterm = local_sigterm_check(trainer)
+        self._undo_sigterm = scoped_sigterm_check(trainer)  # the rank alone: it trains apart
         self._claiming = self._decide_claiming(trainer)
         if self._claiming:
             self._claim_budget = _claim_budget(trainer, self.world_size)
@@ -570,30 +571,6 @@ def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
     return trainer.max_steps * world if trainer.max_steps > 0 else None
 
 
-def local_sigterm_check(trainer: pl.Trainer) -> Callable[[], None]:
-    """Stop Lightning's per-step SIGTERM broadcast (in Lightning 2.6.6, every training step broadcasts a flag from
-    rank 0 over the default group); returns what undoes it.
-
-    That broadcast is a collective at every step: under async training it made every rank wait for rank 0 at
-    every step (lockstep with rank 0 as the pacer), and it hangs when ranks train different numbers of batches
-    (``claim_batches``). Here each rank checks its own SIGTERM instead; a peer that exits is caught by the exchange's
-    liveness timeout and the ``PeerWatchdog``, which name it.
-    """
-    loop = trainer.fit_loop.epoch_loop
-
-    def check() -> None:
-        if getattr(trainer, "received_sigterm", False):
-            raise SIGTERMException()
-
-    loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
-
-    def undo() -> None:
-        if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
-            del loop._broadcast_sigterm_tensor
-
-    return undo
-
-
 def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange | None) -> Callable[[], Any]:
     """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
     replica's next round would carry the NaN into every other replica.
@@ -707,7 +684,13 @@ def ssp_optimizer_step(
     gradients, this rank's included. A non-finite loss raises :class:`DivergenceError` before the gradient leaves the
     rank; with ``on_nonfinite`` it is reported there instead and this step's gradient is dropped, so a policy can
     restore a good state without the NaN having reached any replica.
+
+    On the CPU the loss is checked here, at once. On an accelerator reading it back would be a host sync per step, so
+    the gradient is zeroed on the device when the loss is not finite, and the exchange's thread reads the loss when
+    the gradient's round starts and drops it from the round (``SSPExchange.ship``); the error (or ``on_nonfinite``)
+    comes at the next step or cut (:func:`report_nonfinite`), still before the NaN reached any replica.
     """
+    report_nonfinite(ex, rank, on_nonfinite)
     ex.begin_step(apply)  # the SSP gate, then the server updates formed so far
     params = ex.tensors
     # The weights the gradient is computed on, for DC-ASGD's correction only: a full copy of the model per step.
@@ -718,17 +701,19 @@ def ssp_optimizer_step(
     def wrapped() -> Any:
         loss = closure()
         value = loss.detach() if isinstance(loss, torch.Tensor) else None
-        if value is not None and not bool(torch.isfinite(value).all()):
+        on_host = value is not None and value.device.type == "cpu"
+        if on_host and not bool(torch.isfinite(value).all()):  # type: ignore[arg-type]
             if on_nonfinite is None:
-                raise DivergenceError(
-                    f"rank {rank}: loss is {value.item()} at clock {ex.clock} under async training; stopped before "
-                    "the gradient reached the other replicas. HINT: lower the learning rate or the staleness, or "
-                    "use SyncSwitcher to fall back to synchronous training"
-                )
-            bad.append(float(value.float().mean()))
-        taken["grad"] = torch.cat(
+                _raise_nonfinite(rank, float(value.float().sum()), ex.clock)  # type: ignore[union-attr]
+            bad.append(float(value.float().mean()))  # type: ignore[union-attr]
+        flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
         )
+        if value is not None and not on_host:
+            # Zeroed before the compensation, whose running statistics a NaN would spoil (SSPExchange.ship checks).
+            taken["loss"] = total = (value if value.numel() == 1 else value.sum()).float().reshape(())
+            flat.masked_fill_(~torch.isfinite(total), 0.0)
+        taken["grad"] = flat
         for p in params:
             p.grad = None  # the optimizer step Lightning runs next leaves the replica alone
         return loss
@@ -747,8 +732,25 @@ def ssp_optimizer_step(
         grad = compensator.apply(taken["grad"], delta, ex.updates_since_read)
     else:
         grad = compensator.apply(taken["grad"], None, 0)
-    ex.ship(grad, learning_rates(optimizer))
+    ex.ship(grad, learning_rates(optimizer), loss=taken.get("loss"))
     return out
+
+
+def report_nonfinite(ex: SSPExchange, rank: int, on_nonfinite: Callable[[float], None] | None = None) -> None:
+    """The gradients ``ex``'s thread dropped for a non-finite loss (on an accelerator: ``ssp_optimizer_step``):
+    :class:`DivergenceError`, or each one to ``on_nonfinite``. Called at every step and after every cut."""
+    for clock, value in ex.pop_nonfinite():
+        if on_nonfinite is None:
+            _raise_nonfinite(rank, value, clock)
+        on_nonfinite(value)
+
+
+def _raise_nonfinite(rank: int, value: float, clock: int) -> NoReturn:
+    raise DivergenceError(
+        f"rank {rank}: loss is {value} at clock {clock} under async training; stopped before the gradient reached "
+        "the other replicas. HINT: lower the learning rate or the staleness, or use SyncSwitcher to fall back to "
+        "synchronous training"
+    )
 
 
 def _log_staleness(ex: SSPExchange) -> None:

@@ -51,6 +51,7 @@ from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
+from lightning_syncasync.strategies._sigterm import scoped_sigterm_check
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
     CutsAtLightningHooks,
@@ -58,7 +59,6 @@ from lightning_syncasync.strategies.async_ssp import (
     as_divergence,
     check_async_fit,
     finite_closure,
-    local_sigterm_check,
 )
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class ShardedAsyncSSPStrategy(
             return
         assert self.topology is not None
         self._optimizer = check_async_fit(self.optimizers, self.precision_plugin, self.strategy_name)
-        self._undo_sigterm = local_sigterm_check(trainer)
+        self._undo_sigterm = scoped_sigterm_check(trainer)
         self.rounds = RoundExchange(
             self._local_shards(),
             self._cross_group,

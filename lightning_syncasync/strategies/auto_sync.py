@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -60,6 +61,7 @@ from lightning_syncasync.strategies._checks import check_async, check_common, ch
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
+from lightning_syncasync.strategies._sigterm import node_stop_groups, scoped_sigterm_check
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -67,7 +69,7 @@ from lightning_syncasync.strategies.async_ssp import (
     LocalReduceWhileAsync,
     check_async_fit,
     learning_rates,
-    local_sigterm_check,
+    report_nonfinite,
     server_update,
     ssp_optimizer_step,
 )
@@ -154,9 +156,13 @@ class AutoSyncStrategy(
         self.exchange: SSPExchange | None = None
         self.rounds: RoundExchange | None = None
         self._async_optimizer: Optimizer | None = None
-        self._undo_sigterm: Callable[[], None] | None = None  # async mode: Lightning's per-step broadcast is off
+        self._undo_sigterm: Callable[[], None] | None = None  # hier/async modes: Lightning's per-step broadcast is off
         self._apply: ApplyFn | None = None  # async mode: how this replica applies a server update
-        self.diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
+        self._diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
+        # Async rounds on an accelerator: this step's loss is finite (over its micro-batches), and the steps whose
+        # gradients were zeroed for a non-finite one since the switcher last read ``diverged``; both on the device.
+        self._step_ok: torch.Tensor | None = None
+        self._zeroed_steps: torch.Tensor | None = None
         self.switches: list[tuple[int, str, str]] = []  # (step, from, to)
         self._groups: dict[str, Any] = {}
         self._compensator: StaleGradientCompensation | None = None
@@ -224,6 +230,7 @@ class AutoSyncStrategy(
         self._groups["cross"] = new_subgroups(topo.all_cross_node(), timeout=timeout, backend=backend)
         self._groups["eval_cross"] = new_subgroups(topo.all_cross_node(), timeout=timeout)
         self._groups["ssp"] = dist.new_group(timeout=timeout, backend=backend)
+        self._groups["stop_node"] = node_stop_groups(topo)  # hier mode's SIGTERM check (strategies/_sigterm.py)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -301,14 +308,13 @@ class AutoSyncStrategy(
             self.averager = None
         elif mode == "async" and (self.exchange is not None or self.rounds is not None):
             if self.exchange is not None:
-                assert self._apply is not None
-                self.exchange.cut(self._apply, stop=True)
+                self._cut_exchange(stop=True)
             if self.rounds is not None:
                 self.rounds.cut(stop=True)
             self.exchange = self.rounds = self._apply = None
-            if self._undo_sigterm is not None:
-                self._undo_sigterm()
-                self._undo_sigterm = None
+        if self._undo_sigterm is not None:
+            self._undo_sigterm()
+            self._undo_sigterm = None
         self._broadcast_buffers()
         if mode == "hier" or (mode == "async" and self.local_steps > 1):
             self._equal_optimizer_states()  # hier and async rounds let the moments drift apart
@@ -316,6 +322,11 @@ class AutoSyncStrategy(
     def _enter(self, mode: str, restored: dict[str, Any] | None = None) -> None:
         self.sync_stats.mode = mode
         assert self.topology is not None and self._tensors is not None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if mode != "sync" and trainer is not None:
+            # Lightning's per-step SIGTERM broadcast over the world (strategies/_sigterm.py) is the lockstep sync mode
+            # has anyway; hier mode's nodes stop together, async mode's ranks each on their own.
+            self._undo_sigterm = scoped_sigterm_check(trainer, self._groups["stop_node"] if mode == "hier" else None)
         if mode == "hier":
             self.averager = DelayedAverager(
                 self._tensors,
@@ -337,7 +348,6 @@ class AutoSyncStrategy(
             assert self.lightning_module is not None
             trained = [p for p in self._params if p.requires_grad]
             self._apply = server_update(optimizer, trained, self.lightning_module)
-            self._undo_sigterm = local_sigterm_check(self.lightning_module.trainer)
             if self.local_steps > 1:
                 assert self.staleness is not None  # checked at construction
                 self.rounds = RoundExchange(
@@ -397,6 +407,10 @@ class AutoSyncStrategy(
         last = not self.optimizers or unwrap_optimizer(optimizer) is unwrap_optimizer(self.optimizers[-1])
         if self.mode == "async" and self.rounds is not None:
             out = super().optimizer_step(optimizer, self._finite_or_held_back(closure), model, **kwargs)
+            if self._step_ok is not None:  # on an accelerator: counted on the device (training_step)
+                bad = (~self._step_ok).int()
+                self._zeroed_steps = bad if self._zeroed_steps is None else self._zeroed_steps + bad
+                self._step_ok = None
             self.rounds.after_step()  # a dropped step changed nothing, and the round counts it all the same
         elif self.mode == "async" and self.exchange is not None:
             assert self._compensator is not None and self._apply is not None
@@ -413,12 +427,58 @@ class AutoSyncStrategy(
             self._step += 1
         return out
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        if self._zeroes_on_device():
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if isinstance(loss, torch.Tensor):
+                # Before backward: DDP's hook (_mode_hook) zeroes the gradients of a step whose loss is not finite.
+                total = (loss if loss.numel() == 1 else loss.sum()).detach().float().reshape(())
+                ok = torch.isfinite(total)
+                self._step_ok = ok if self._step_ok is None else self._step_ok & ok  # every micro-batch
+        return out
+
+    def _zeroes_on_device(self) -> bool:
+        """Async rounds on an accelerator, under DDP: a non-finite step is found and zeroed on the device, without
+        the host sync per step that reading the loss back would be (``_finite_or_held_back``)."""
+        return (
+            self.mode == "async"
+            and self.rounds is not None
+            and self.root_device.type != "cpu"
+            and isinstance(self.model, DistributedDataParallel)
+        )
+
+    @property
+    def diverged(self) -> float | None:
+        """A non-finite loss held back in async mode since the switcher last cleared this (it reads it once per
+        window); on an accelerator in async rounds this reads the device's count (a host sync, once per window)."""
+        if self._zeroed_steps is not None:
+            zeroed, self._zeroed_steps = int(self._zeroed_steps), None
+            if zeroed:
+                self._held_back(math.nan, zeroed)
+        return self._diverged
+
+    @diverged.setter
+    def diverged(self, value: float | None) -> None:
+        self._diverged = value
+        if value is None:
+            self._zeroed_steps = None
+
     def _finite_or_held_back(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """Async rounds: a non-finite loss drops this step's gradients (the optimizer then skips every parameter),
-        so the NaN never reaches the replica or a round, and the switcher reads ``diverged``."""
+        so the NaN never reaches the replica or a round, and the switcher reads ``diverged``.
+
+        On an accelerator (under DDP) reading the loss back at every step would be a host sync per step. There
+        ``training_step`` checks the loss on the device, DDP's hook zeroes the step's gradients when it is not finite
+        (the optimizer then takes a step on zero gradients: with momentum or Adam, the moments' decay moves the
+        weights a little, with no NaN), and ``diverged`` reads the count once per switcher window, whose rollback
+        restores the last good state."""
 
         def wrapped() -> Any:
             loss = closure()
+            if self._zeroes_on_device():
+                return loss
             value = loss.detach() if isinstance(loss, torch.Tensor) else None
             if value is not None and not bool(torch.isfinite(value).all()):
                 self._held_back(float(value.float().mean()))
@@ -428,9 +488,17 @@ class AutoSyncStrategy(
 
         return wrapped
 
-    def _held_back(self, loss: float) -> None:
-        self.diverged = loss
-        log.warning("auto_sync: rank %d: non-finite loss %s in async mode; update held back", self.global_rank, loss)
+    def _cut_exchange(self, stop: bool = False) -> None:
+        assert self.exchange is not None and self._apply is not None
+        self.exchange.cut(self._apply, stop=stop)
+        report_nonfinite(self.exchange, self.global_rank, self._held_back)  # found by its thread (an accelerator's)
+
+    def _held_back(self, loss: float, steps: int = 1) -> None:
+        self._diverged = loss
+        log.warning(
+            "auto_sync: rank %d: non-finite loss %s in async mode (%d step(s)); update held back",
+            self.global_rank, loss, steps,
+        )  # fmt: skip
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
@@ -441,8 +509,7 @@ class AutoSyncStrategy(
         # already False here).
         if module is not None and module.trainer.state.fn == "fit":
             if self.exchange is not None:
-                assert self._apply is not None
-                self.exchange.cut(self._apply)  # validate the merged model (async_ssp's rule)
+                self._cut_exchange()  # validate the merged model (async_ssp's rule)
             elif self.rounds is not None:
                 self._cut_rounds()
             elif self.averager is not None:
@@ -458,8 +525,7 @@ class AutoSyncStrategy(
         if self.averager is not None:
             self.averager.synchronize()
         elif self.exchange is not None and self.exchange._thread is not None:
-            assert self._apply is not None
-            self.exchange.cut(self._apply)
+            self._cut_exchange()
         elif self.rounds is not None and self.rounds._thread is not None:
             self._cut_rounds()
         return super().lightning_module_state_dict()
@@ -527,7 +593,10 @@ def _mode_hook(strategy: AutoSyncStrategy, bucket: dist.GradBucket) -> torch.fut
     """DDP comm hook: the gradient all-reduce of the current mode (over all ranks, over the node, or none)."""
     if strategy.mode == "async":
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(bucket.buffer())  # local gradients: the update exchange carries the rest
+        buffer = bucket.buffer()
+        if strategy._step_ok is not None:  # async rounds on an accelerator: a non-finite step's gradients zeroed
+            buffer.masked_fill_(~strategy._step_ok, 0.0)
+        fut.set_result(buffer)  # local gradients: the update exchange carries the rest
         return fut
     group = strategy._groups["grad" if strategy.mode == "sync" else "grad_node"]
     return allreduce_hook(group, bucket)

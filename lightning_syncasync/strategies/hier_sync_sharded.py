@@ -28,6 +28,7 @@ is written beside them as ``syncasync_averager_rank{R}.pt``, so a resume on the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -50,6 +51,7 @@ from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import local_part, unwrap_optimizer
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
+from lightning_syncasync.strategies._sigterm import node_stop_groups, scoped_sigterm_check
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -134,6 +136,8 @@ class ShardedHierSyncStrategy(
         self.averager: DelayedAverager | None = None
         self._cross_group: dist.ProcessGroup | None = None
         self._eval_cross_group: dist.ProcessGroup | None = None  # validation's, apart from the averager's
+        self._stop_group: dist.ProcessGroup | None = None  # the node's SIGTERM check (strategies/_sigterm.py)
+        self._undo_sigterm: Callable[[], None] | None = None
 
     # -- groups -------------------------------------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class ShardedHierSyncStrategy(
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
         super()._make_groups(topo, timeout)
         self._eval_cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout)
+        self._stop_group = None if self.hsdp else node_stop_groups(topo)
 
     @property
     @override
@@ -180,6 +185,9 @@ class ShardedHierSyncStrategy(
             compressor=Compressor(self.compression, seed=self.global_rank, **self.compression_options),  # type: ignore[arg-type]
             timeout_s=self.peer_timeout_s,
         )
+        # The nodes run apart between averages; Lightning's per-step SIGTERM broadcast would put them back in lockstep
+        # (with hsdp, FSDP2's cross-node all-reduce does that anyway, and Lightning's check stays).
+        self._undo_sigterm = scoped_sigterm_check(trainer, self._stop_group)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
@@ -208,9 +216,12 @@ class ShardedHierSyncStrategy(
                 self.averager.close()
             finally:
                 self.averager = None
+        if self._undo_sigterm is not None:
+            self._undo_sigterm()
+            self._undo_sigterm = None
         super().teardown()
-        destroy_groups(self._eval_cross_group)
-        self._eval_cross_group = None
+        destroy_groups(self._eval_cross_group, self._stop_group)
+        self._eval_cross_group = self._stop_group = None
 
 
 def _local_optimizer_state(optimizer: Optimizer) -> list[dict[str, torch.Tensor]]:

@@ -104,3 +104,42 @@ def test_auto_sync_with_its_switcher_makes_no_host_sync_per_step(tmp_path):
         assert len(rank["losses"]) == STEPS
         every_step = {where: steps for where, steps in rank["syncs"].items() if len(steps) >= STEPS - 3}
         assert not every_step, rank["syncs"]
+
+
+# The per-step async modes: each step's loss is checked for a NaN on the device, by the exchange's thread (per-step
+# SSP) or by DDP's hook (auto_sync's async rounds), not read back by the training loop.
+PER_STEP_ASYNC = {
+    "async_ssp_per_step": ("async_ssp", {"local_steps": 1, "claim_batches": False}),
+    "auto_sync_async_per_step": ("auto_sync", {"mode": "async", "local_steps": 1, "switcher": False}),
+    "auto_sync_async_rounds": ("auto_sync", {"mode": "async", "local_steps": 2, "switcher": False}),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(PER_STEP_ASYNC))
+def test_async_modes_make_no_host_sync_per_step(tmp_path, case):
+    name, options = PER_STEP_ASYNC[case]
+    for rank in RankJob(tmp_path, name, ACCELERATOR, options, steps=STEPS).wait():
+        assert len(rank["losses"]) == STEPS and rank["diverged"] is None
+        every_step = {where: steps for where, steps in rank["syncs"].items() if len(steps) >= STEPS - 3}
+        assert not every_step, rank["syncs"]
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_loss_in_per_step_ssp_on_the_gpu_stops_the_run_before_its_gradient_leaves(tmp_path):
+    # Found by the exchange's thread when the gradient's round starts, raised by the loop at its next step.
+    name, options = PER_STEP_ASYNC["async_ssp_per_step"]
+    with pytest.raises(AssertionError, match="loss is nan at clock 4 under async training"):
+        RankJob(tmp_path, name, ACCELERATOR, options, steps=STEPS, nan_at=4).wait()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["auto_sync_async_per_step", "auto_sync_async_rounds"])
+def test_a_nan_loss_in_auto_sync_async_on_the_gpu_is_held_back(tmp_path, case):
+    # No switcher here to roll back: the NaN must never have reached a replica, and rank 0 reports it.
+    name, options = PER_STEP_ASYNC[case]
+    ranks = RankJob(tmp_path, name, ACCELERATOR, options, steps=STEPS, nan_at=4).wait()
+    assert ranks[0]["diverged"] is not None and ranks[1]["diverged"] is None
+    for rank in ranks:
+        assert all(torch.isfinite(v).all() for v in rank["state"].values() if v.is_floating_point())
+    assert all(torch.equal(v, ranks[1]["state"][k]) for k, v in ranks[0]["state"].items() if "running_" not in k)

@@ -57,6 +57,7 @@ the fast ranks use up their slack and then wait (SSP absorbs transient slowness,
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -190,6 +191,10 @@ class SSPExchange:
         self._outbox_lrs = torch.zeros(num_lrs, dtype=torch.float64, device="cpu")
         # Per gradient waiting for its round: the server updates the replica held when it was computed.
         self._outbox_reads: list[int] = []
+        # Per gradient shipped with its loss (ship's ``loss``): its place in the outbox, its clock, its learning
+        # rates and the loss's fp32 sum on the device, for the exchange thread to check (:meth:`pop_nonfinite`).
+        self._outbox_checks: list[tuple[int, int, list[float], torch.Tensor]] = []
+        self._nonfinite: list[tuple[int, float]] = []
         self._read = 0
         # Gradients received but short of the quorum, and the server updates formed but not applied yet.
         self._acc = torch.zeros(self.numel, device=self.device)
@@ -286,9 +291,16 @@ class SSPExchange:
         """Server updates applied since this step's gradient started (the ``tau`` of its compensation)."""
         return self.applied - self._read
 
-    def ship(self, grad: torch.Tensor | None, lrs: Sequence[float]) -> None:
+    def ship(self, grad: torch.Tensor | None, lrs: Sequence[float], loss: torch.Tensor | None = None) -> None:
         """After backward: hand this step's gradient (flat, fp32, over ``params``) to the exchange, with the
-        learning rate of each param group. ``None`` ships nothing (a dropped step) but still advances the clock."""
+        learning rate of each param group. ``None`` ships nothing (a dropped step) but still advances the clock.
+
+        ``loss`` (detached, on the gradient's device): the exchange checks it instead of the loop, for an accelerator,
+        where reading it back at every step would make the host wait for the device. A non-finite loss zeroes the
+        gradient on the device at once, and the exchange thread, which reads the loss when its round starts (its own
+        stream has waited for the loop's by then: the thread waits, the loop does not), drops that gradient from the
+        round as ``ship(None)`` would and reports it through :meth:`pop_nonfinite`. The check is of the loss's fp32
+        sum, as ``RoundExchange.note_loss``'s."""
         now = time.perf_counter()
         if self._last_finish is not None:
             dt = now - self._last_finish
@@ -296,13 +308,25 @@ class SSPExchange:
         self._last_finish = now
         if len(lrs) != self.num_lrs:
             raise ValueError(f"ship() got {len(lrs)} learning rates, the exchange was built for num_lrs={self.num_lrs}")
+        total = None
+        if grad is not None and loss is not None:
+            total = (loss if loss.numel() == 1 else loss.sum()).float().reshape(())
+            grad = grad.masked_fill(~torch.isfinite(total), 0.0)  # on the device: no host sync
         with self._cond:
             if grad is not None:
+                if total is not None:
+                    self._outbox_checks.append((len(self._outbox_reads), self.clock, list(lrs), total))
                 self._outbox += grad
                 self._outbox_lrs += torch.tensor(list(lrs), dtype=torch.float64, device="cpu")
                 self._outbox_reads.append(self._read)
             self.clock += 1
             self._cond.notify_all()
+
+    def pop_nonfinite(self) -> list[tuple[int, float]]:
+        """The gradients dropped for a non-finite ``loss`` (:meth:`ship`) since the last call: (clock, loss sum)."""
+        with self._cond:
+            found, self._nonfinite = self._nonfinite, []
+        return found
 
     def cut(self, apply: ApplyFn, stop: bool = False) -> None:
         """A consistent cut (every rank calls it at the same step): flush all gradients, apply everything, agree
@@ -381,12 +405,32 @@ class SSPExchange:
                     fresh_lrs = torch.zeros(self.num_lrs, dtype=torch.float64, device="cpu")
                     lrs, self._outbox_lrs = self._outbox_lrs, fresh_lrs
                     shipped, self._outbox_reads = self._outbox_reads, []
+                    checks, self._outbox_checks = self._outbox_checks, []
                     clock, flag = self.clock, 1.0 if self._cut_requested else 0.0
+                if checks:
+                    shipped = self._drop_nonfinite(checks, shipped, lrs)
                 self._round(send, lrs, shipped, clock, flag)
         except BaseException as err:  # noqa: BLE001 - handed to the training loop, which raises it
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _drop_nonfinite(
+        self, checks: list[tuple[int, int, list[float], torch.Tensor]], shipped: list[int], lrs: torch.Tensor
+    ) -> list[int]:
+        """Read the losses shipped with this round's gradients (a wait of this thread for the loop's stream, which its
+        own follows by now); the non-finite ones' gradients (zeroed by ``ship``) leave the count, their learning
+        rates the sum (in place), and are reported. Returns the reads of the gradients that stay."""
+        values = torch.stack([total for *_, total in checks]).cpu().tolist()
+        bad = [(check, value) for check, value in zip(checks, values, strict=True) if not math.isfinite(value)]
+        if not bad:
+            return shipped
+        for (_, _, rates, _), _ in bad:
+            lrs -= torch.tensor(rates, dtype=torch.float64)
+        dropped = {index for (index, *_), _ in bad}
+        with self._cond:
+            self._nonfinite.extend((clock, value) for (_, clock, _, _), value in bad)
+        return [read for i, read in enumerate(shipped) if i not in dropped]
 
     def _pending(self) -> int:
         """Local steps since the last round (a dropped step counts: its clock must still travel)."""

@@ -105,6 +105,37 @@ def test_compressed_exchange_loses_nothing_at_the_cut():
         torch.testing.assert_close(r["w"], _expected(steps), rtol=1e-4, atol=1e-4)
 
 
+def _checked(rank: int, world: int, bad_at: int, every: int) -> dict:
+    # Rank 1's gradient of step `bad_at` is NaN and shipped with its (NaN) loss: the exchange checks it, as it does
+    # for an accelerator's loop, which does not read the loss back.
+    w = [torch.zeros(4), torch.zeros(2, 3)]
+    ex = SSPExchange(w, dist.new_group(), staleness=2, timeout_s=30, exchange_every=every)
+    ex.start()
+    apply, found = _sgd(w), []
+    for step in range(12):
+        ex.begin_step(apply)
+        bad = rank == 1 and step == bad_at
+        grad = torch.full((10,), float("nan")) if bad else _grad(rank)
+        ex.ship(grad, [1.0], loss=torch.tensor(float("nan") if bad else 0.5))
+        found += ex.pop_nonfinite()
+    ex.cut(apply, stop=True)
+    found += ex.pop_nonfinite()
+    return {"w": torch.cat([t.flatten() for t in w]), "found": found, "gradients": sum(ex.stats.gradients)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_gradient_shipped_with_a_non_finite_loss_is_dropped_and_reported(every):
+    res = run_distributed(_checked, 2, 5, every)
+    # Rank 1's step 5 never counted: the replicas hold every other gradient once, and nothing non-finite.
+    want = -(12 * _grad(0) + 11 * _grad(1)) / 2
+    for r in res:
+        torch.testing.assert_close(r["w"], want, rtol=1e-5, atol=1e-5)
+        assert r["gradients"] == 23
+    assert len(res[1]["found"]) == 1 and res[1]["found"][0][0] == 5 and res[1]["found"][0][1] != res[1]["found"][0][1]
+    assert res[0]["found"] == []
+
+
 def _hung(rank: int, world: int, flag: str) -> dict:
     from _hang import fault_seen, stay_hung_until
 

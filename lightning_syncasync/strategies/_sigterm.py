@@ -1,0 +1,70 @@
+"""Who stops together on SIGTERM: Lightning's per-step check, scoped to the ranks that train in lockstep.
+
+In Lightning 2.6.6 every training step of a multi-rank run broadcasts a SIGTERM flag from rank 0 over the default
+group (``_TrainingEpochLoop._broadcast_sigterm_tensor``) and reads it back with ``.item()``. For DDP that costs
+little: its gradient all-reduce puts every rank in lockstep anyway. For the strategies of this pack it is a
+collective over the whole world at every step, the very thing they exist to avoid:
+
+* under async training (``async_ssp``, ``auto_sync``'s async mode) it makes every rank wait for rank 0 at every step
+  (rank 0 becomes the pacer), and it hangs when ranks train different numbers of batches (``claim_batches``);
+* under ``hier_sync`` it puts the nodes back in step with rank 0 at every step, across the slow link that the
+  averager's ``max_delay`` lets them run apart on, and a step waits for the link's round trip. On the emulated
+  cluster (2 cores, a veth link with no added latency) that was within the noise: ``syncasync-bench --quick
+  --repeats 3`` gave ``hier_sync`` 1528 samples/s [1454-1555] with the node's check against 1504 [1419-1568] with
+  Lightning's broadcast on ``hetero_slow_link`` (time to target 10.6 s against 11.3 s), and 56.6 [52-58] against
+  53.8 [54-57] on ``slow_link``. A real link's latency is not emulated here (no ``netem``);
+* on a GPU the ``.item()`` of a CUDA flag is a host sync per step.
+
+So each strategy replaces it with a check over the ranks that must stop at the same step, because they share a
+collective every step: the node for ``hier_sync`` and the sharded strategies (DDP or FSDP2 inside it), the rank
+alone when it trains apart from everyone (a peer that exits is then caught by the exchange's liveness timeout and
+``PeerWatchdog``, which name it). The node's check is a MAX over a gloo group of the node: any rank of the node that
+received SIGTERM stops the whole node at the same step (Lightning's broadcast honours rank 0's signal only), and
+the flag is a CPU tensor, so on a GPU the check never waits for the device. SLURM and torchrun signal every task,
+so in practice every node stops within a step or two of the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_syncasync.algorithms._comm import new_subgroups
+from lightning_syncasync.algorithms.topology import Topology
+
+
+def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = None) -> Callable[[], None]:
+    """Replace Lightning's per-step SIGTERM broadcast for this fit; returns what undoes it.
+
+    Args:
+        trainer: the fitting trainer.
+        group: the ranks that stop together: a gloo group (the flag is a CPU tensor), every rank of it calling this.
+            ``None``, or a group of one rank, checks this rank's own flag only.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    together = group is not None and dist.get_world_size(group) > 1
+
+    def check() -> None:
+        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], dtype=torch.int32)
+        if together:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
+            del loop._broadcast_sigterm_tensor
+
+    return undo
+
+
+def node_stop_groups(topology: Topology) -> dist.ProcessGroup | None:
+    """This rank's node as a gloo group for :func:`scoped_sigterm_check` (every rank creates every node's, as torch
+    requires), or ``None`` when each node is one rank."""
+    return new_subgroups(topology.all_nodes(), backend="gloo") if topology.node_size > 1 else None

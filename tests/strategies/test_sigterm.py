@@ -1,0 +1,87 @@
+"""Lightning's per-step SIGTERM broadcast, scoped to the ranks that train in lockstep (strategies/_sigterm.py): the
+node for hier_sync and hier_sync_sharded, the rank alone under async training."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import TinyModel
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._sigterm import node_stop_groups, scoped_sigterm_check
+from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
+from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
+from lightning_syncasync.testing import run_distributed
+
+
+def _stops(rank: int, world: int, signalled: int, scope: str) -> dict:
+    # 4 ranks as 2 nodes of 2; only `signalled` received SIGTERM. Lightning's loop object is real, the trainer only
+    # what the check reads.
+    loop = _TrainingEpochLoop.__new__(_TrainingEpochLoop)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), received_sigterm=rank == signalled)
+    group = node_stop_groups(Topology(world, 2)) if scope == "node" else None
+    undo = scoped_sigterm_check(trainer, group)  # type: ignore[arg-type]
+    stopped = []
+    for _ in range(3):  # the check runs at every step; the flag stays set once received
+        try:
+            loop._broadcast_sigterm_tensor()
+            stopped.append(False)
+        except SIGTERMException:
+            stopped.append(True)
+    undo()
+    restored = "_broadcast_sigterm_tensor" not in loop.__dict__
+    dist.barrier()
+    return {"stopped": stopped, "restored": restored, "backend": dist.get_backend(group) if group else None}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("scope", "want"), [("node", [False, False, True, True]), ("rank", [False] * 3 + [True])])
+def test_a_signal_on_any_rank_stops_its_node_and_only_its_node(scope, want):
+    # Rank 3, not rank 0: Lightning's broadcast from rank 0 would ignore this signal entirely.
+    res = run_distributed(_stops, 4, 3, scope)
+    assert [r["stopped"] == [True] * 3 for r in res] == want
+    assert all(r["stopped"] in ([True] * 3, [False] * 3) for r in res)
+    assert all(r["restored"] for r in res)
+    if scope == "node":
+        assert {r["backend"] for r in res} == {"gloo"}  # a CPU flag: on a GPU the check never waits for the device
+
+
+class RecordCheck(Callback):
+    """Which SIGTERM check the loop runs during training: Lightning's (the class's) or a scoped one."""
+
+    def __init__(self) -> None:
+        self.during: list[bool] = []
+        self.after: bool | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.during.append("_broadcast_sigterm_tensor" in trainer.fit_loop.epoch_loop.__dict__)
+
+    def on_fit_end(self, trainer, pl_module):
+        self.after = "_broadcast_sigterm_tensor" in trainer.fit_loop.epoch_loop.__dict__
+        out = f"{trainer.default_root_dir}/rank{trainer.global_rank}.pt"
+        torch.save({"during": self.during, "after": self.after}, out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["hier_sync", "auto_sync_hier", "auto_sync_sync"])
+def test_strategies_scope_the_check_while_their_nodes_run_apart(tmp_path, strategy):
+    make = {
+        "hier_sync": lambda: HierSyncStrategy(node_size=1, inter_period=2, start_method="fork"),
+        "auto_sync_hier": lambda: AutoSyncStrategy(mode="hier", node_size=1, switcher=False, start_method="fork"),
+        "auto_sync_sync": lambda: AutoSyncStrategy(mode="sync", switcher=False, start_method="fork"),
+    }[strategy]
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=make(), max_steps=4, logger=False,
+                      default_root_dir=tmp_path, callbacks=[RecordCheck()], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(TinyModel())
+    for rank in range(2):
+        record = torch.load(tmp_path / f"rank{rank}.pt")
+        # Sync mode is DDP over every rank, in lockstep anyway: Lightning's own check stays there.
+        assert record["during"] == [strategy != "auto_sync_sync"] * 4, record
+        assert record["after"] is False  # undone when the fit ends
