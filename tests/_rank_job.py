@@ -37,10 +37,11 @@ from torch.utils.data import DataLoader, TensorDataset
 class DeviceModel(LightningModule):
     """Linear layers and a BatchNorm, SGD: small, and every update the same function of the data on any device."""
 
-    def __init__(self, nan_at: int | None = None) -> None:
+    def __init__(self, nan_at: int | None = None, sigterm_at: int | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
         self.nan_at = nan_at  # rank 0's loss is NaN at this global step (decided on the host: no sync)
+        self.sigterm_at = sigterm_at  # rank 1 sends itself SIGTERM at this global step (as SLURM would)
         # On the loss's device: reading each one back (float()) would be a host sync every step, which _HostSyncs
         # exists to catch in the pack's code, and which would slow the steps it watches.
         self.losses: list[torch.Tensor] = []
@@ -50,6 +51,11 @@ class DeviceModel(LightningModule):
         loss = nn.functional.cross_entropy(self.net(x), y)
         if self.nan_at == self.trainer.global_step and self.global_rank == 0:
             loss = loss * float("nan")
+        if self.sigterm_at == self.trainer.global_step and self.global_rank == 1:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
         self.losses.append(loss.detach())
         return loss
 
@@ -68,8 +74,8 @@ class ShardedDeviceModel(DeviceModel):
     """DeviceModel for the sharded strategies: FSDP2 shards each linear layer over the node's ranks (no BatchNorm,
     whose running statistics FSDP2 leaves as plain tensors beside sharded weights)."""
 
-    def __init__(self, nan_at: int | None = None) -> None:
-        super().__init__(nan_at)
+    def __init__(self, nan_at: int | None = None, sigterm_at: int | None = None) -> None:
+        super().__init__(nan_at, sigterm_at)
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
 
     def configure_model(self) -> None:
@@ -179,6 +185,18 @@ class _SaveAt(Callback):
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
+
+
+class _Stopped(Callback):
+    """The exception that ended this rank's fit and the step it ended at, in ``DIR/rank{R}.stopped.json`` (written in
+    Lightning's ``on_exception``, before the teardown, which a job that fails may not let finish)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        record = {"exception": type(exception).__name__, "message": str(exception), "step": trainer.global_step}
+        (Path(self.out) / f"rank{trainer.global_rank}.stopped.json").write_text(json.dumps(record))
 
 
 # tests/_emulated_device.py, when the job runs on the emulated accelerator.
@@ -325,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     # checkpoint falls at an epoch's end, so a resumed run sees the uninterrupted one's batches.
     p.add_argument("--epoch-steps", type=int, default=None, help="batches per epoch; the fit ends on epochs")
     p.add_argument("--nan-at", type=int, default=None, help="rank 0's loss is NaN at this global step")
+    p.add_argument("--sigterm-at", type=int, default=None, help="rank 1 sends itself SIGTERM at this global step")
     args = p.parse_args(argv)
     if args.save and args.save_step is None:
         p.error("--save needs --save-step")
@@ -348,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     syncs = _HostSyncs(args.steps)
     ops = _DeviceOps(args.steps)
     on_device = args.accelerator in ("gpu", "cuda", "emugpu")
-    callbacks: list[Callback] = [report] + ([syncs] if on_device else [])
+    callbacks: list[Callback] = [report, _Stopped(args.out)] + ([syncs] if on_device else [])
     if on_device and args.ranks == 1:
         # One rank only (the count test_one_gpu.py checks): at two, the counting mode would also be active in the
         # backward threads, where the compressing DDP hook runs the codec that torch.compile fuses on a GPU.
@@ -359,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_syncasync.callbacks import AdaptiveBatchSize
 
         callbacks.append(AdaptiveBatchSize(interval=4))
-    model = ShardedDeviceModel(args.nan_at) if "sharded" in args.strategy else DeviceModel(args.nan_at)
+    model_cls = ShardedDeviceModel if "sharded" in args.strategy else DeviceModel
+    model = model_cls(args.nan_at, args.sigterm_at)
     accelerator: Any = args.accelerator
     if accelerator == "emugpu":  # an accelerator emulated on the CPU (tests/_emulated_device.py)
         global _EMULATED

@@ -15,18 +15,31 @@ collective over the whole world at every step, the very thing they exist to avoi
   53.8 [54-57] on ``slow_link``. A real link's latency is not emulated here (no ``netem``);
 * on a GPU the ``.item()`` of a CUDA flag is a host sync per step.
 
-So each strategy replaces it with a check over the ranks that must stop at the same step, because they share a
-collective every step: the node for ``hier_sync`` and the sharded strategies (DDP or FSDP2 inside it), the rank
-alone when it trains apart from everyone (a peer that exits is then caught by the exchange's liveness timeout and
-``PeerWatchdog``, which name it). The node's check is a MAX over a gloo group of the node: any rank of the node that
-received SIGTERM stops the whole node at the same step (Lightning's broadcast honours rank 0's signal only), and
-the flag is a CPU tensor, so on a GPU the check never waits for the device. SLURM and torchrun signal every task,
-so in practice every node stops within a step or two of the others.
+So each strategy replaces the per-step broadcast with a check over the ranks that must stop at the same step,
+because they share a collective every step: the node for ``hier_sync`` and the sharded strategies (DDP or FSDP2
+inside it), the rank alone when it trains apart from everyone (a peer that exits is then caught by the exchange's
+liveness timeout and ``PeerWatchdog``, which name it). The node's check is a MAX over a gloo group of the node: any
+rank of the node that received SIGTERM stops the whole node at the same step (Lightning's broadcast honours rank
+0's signal only), and the flag is a CPU tensor, so on a GPU the check never waits for the device. SLURM and
+torchrun signal every task, so in practice every node stops within a step or two of the others.
+
+Lightning's SIGTERM handler has a collective of its own: on a multi-rank run it broadcasts a flag from rank 0 over
+the default group from inside the handler, to pair with rank 0's per-step broadcast. Without that per-step
+broadcast, a signalled rank other than 0 blocked in its handler until rank 0 failed (measured with ``async_ssp`` at
+2 ranks, rank 1 signalled at step 4: rank 1 sat in the handler's broadcast until rank 0's round timed out 20 s
+later, ``peer_timeout_s=20``), and one that met a default-group broadcast of rank 0's (a consistent cut broadcasts
+the merged model on it) would have paired with it. So the handler's notifier is replaced too, by one that does what
+it does without the collective: mark the trainer as signalled, and pass the signal to the processes a launcher
+started, once. It leaves the trainer's flag to the check: Lightning's loop also stops a signalled rank at the end of
+its step on that flag, alone, where the check stops the rank's whole group at the start of the next step.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
+from types import FrameType
 
 import lightning.pytorch as pl
 import torch
@@ -47,12 +60,21 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
     """
     loop = trainer.fit_loop.epoch_loop
     together = group is not None and dist.get_world_size(group) > 1
+    undo_handler: list[Callable[[], None]] = []
+    signalled = threading.Event()  # set by the handler's notifier; the trainer learns it here, with its group
 
     def check() -> None:
-        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], dtype=torch.int32)
+        if not undo_handler:
+            # Lightning registers its handler after the strategy's setup, before the first step: replaced here.
+            undo_handler.append(_without_handler_broadcast(trainer, signalled))
+        mine = signalled.is_set() or getattr(trainer, "received_sigterm", False)
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
         if together:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item():
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = True  # what Lightning's loops and the user's hooks read
             raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
@@ -60,8 +82,40 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
     def undo() -> None:
         if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
             del loop._broadcast_sigterm_tensor
+        for restore in undo_handler:
+            restore()
+        undo_handler.clear()
 
     return undo
+
+
+def _without_handler_broadcast(trainer: pl.Trainer, signalled: threading.Event) -> Callable[[], None]:
+    """Swap Lightning's SIGTERM notifier in the registered handler for one without its broadcast (module
+    docstring), which sets ``signalled`` instead of the trainer's flag; returns what swaps it back. The trainer's
+    flag is left to the check: Lightning's loop also stops a signalled rank at the end of its step on that flag,
+    alone, where the check stops the rank's whole group at the start of the next. Nothing to swap when the handler is
+    not Lightning's (a user's own handler): then nothing changes."""
+    connector = getattr(trainer, "_signal_connector", None)
+    composed = signal.getsignal(signal.SIGTERM)
+    handlers = getattr(composed, "signal_handlers", None)
+    notifier = getattr(connector, "_sigterm_notifier_fn", None)
+    if connector is None or not isinstance(handlers, list) or notifier not in handlers:
+        return lambda: None
+
+    def notify(signum: int, frame: FrameType | None) -> None:
+        if not signalled.is_set():
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # as Lightning's: the processes a launcher started get it too
+        signalled.set()
+
+    original = list(handlers)
+    handlers[:] = [notify if h == notifier else h for h in handlers]
+
+    def restore() -> None:
+        handlers[:] = original
+
+    return restore
 
 
 def node_stop_groups(topology: Topology) -> dist.ProcessGroup | None:

@@ -3,12 +3,14 @@ node for hier_sync and hier_sync_sharded, the rank alone under async training.""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from _models import TinyModel
+from _ranks import RankJob
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -85,3 +87,39 @@ def test_strategies_scope_the_check_while_their_nodes_run_apart(tmp_path, strate
         # Sync mode is DDP over every rank, in lockstep anyway: Lightning's own check stays there.
         assert record["during"] == [strategy != "auto_sync_sync"] * 4, record
         assert record["after"] is False  # undone when the fit ends
+
+
+def _stopped(job: RankJob, out) -> dict[int, dict]:
+    """The job fails (a signalled run does not finish): each rank's exception and the step it stopped at."""
+    with pytest.raises(AssertionError) as failed:
+        job.wait()
+    records = {int(p.name[4]): json.loads(p.read_text()) for p in out.glob("rank*.stopped.json")}
+    assert records, str(failed.value)
+    return records
+
+
+@pytest.mark.timeout(180)
+def test_a_signalled_node_stops_together_and_the_other_node_is_told_by_name(tmp_path):
+    # 4 ranks as 2 nodes of 2; rank 1 (not rank 0) sends itself SIGTERM during step 4. Its whole node stops at the
+    # start of step 5 with Lightning's SIGTERMException; the other node's ranks end with an error naming a rank of
+    # that node (the watchdog's, or their inter-node round's naming its cross-node peer), not a hang.
+    job = RankJob(tmp_path, "hier_sync", "cpu", {"node_size": 2, "inter_period": 2}, steps=60, ranks=4,
+                  timeout_s=90, sigterm_at=4)  # fmt: skip
+    stopped = _stopped(job, tmp_path)
+    assert [stopped[r]["exception"] for r in (0, 1)] == ["SIGTERMException"] * 2, stopped
+    assert stopped[0]["step"] == stopped[1]["step"] == 5, stopped
+    for r in (2, 3):
+        if r in stopped:  # (a rank ended by the watchdog's hard exit writes nothing)
+            message = stopped[r]["message"]
+            assert ("rank 0" in message or "rank 1" in message) and stopped[r]["exception"] != "SIGTERMException"
+
+
+@pytest.mark.timeout(180)
+def test_a_signalled_async_rank_stops_alone_and_is_named_not_stuck_in_lightnings_handler(tmp_path):
+    # Lightning's SIGTERM handler broadcasts from rank 0 over the default group; with the per-step broadcast gone,
+    # rank 1 sat in that broadcast until rank 0's round timed out (then failed with "Connection closed by peer").
+    job = RankJob(tmp_path, "async_ssp", "cpu", {"claim_batches": False}, steps=60, timeout_s=90, sigterm_at=4)
+    stopped = _stopped(job, tmp_path)
+    assert stopped[1]["exception"] == "SIGTERMException" and stopped[1]["step"] == 5, stopped
+    assert 0 not in stopped or "rank 1" in stopped[0]["message"], stopped
+    assert (tmp_path / "rank0.log").read_text().count("rank 1 failed: SIGTERMException") >= 1
