@@ -36,6 +36,7 @@ its step on that flag, alone, where the check stops the rank's whole group at th
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -104,6 +105,8 @@ def _without_handler_broadcast(trainer: pl.Trainer, signalled: threading.Event) 
 
     def notify(signum: int, frame: FrameType | None) -> None:
         if not signalled.is_set():
+            # os.write, not logging or print: the handler may interrupt a write to the same stream mid-way.
+            os.write(2, f"rank {trainer.global_rank}: received SIGTERM; stopping at the next step\n".encode())
             launcher = trainer.strategy.launcher
             if launcher is not None:
                 launcher.kill(signum)  # as Lightning's: the processes a launcher started get it too

@@ -114,8 +114,9 @@ def test_a_hung_worker_is_detected_by_the_same_timeout(tmp_path, strategy):
     res = _run(tmp_path, strategy, f"stop:1@{random.Random(strategy).randint(5, 40)}")
     grace = GRACE_S.get(strategy, DEFAULT_GRACE_S)
     _check_survivors(res, strategy, lost=1, label="SIGSTOP", bound_s=TIMEOUT_S + grace + 10)
-    # Stopped until the emulator's clean-up (SIGTERM + SIGCONT), which it does not survive either.
-    assert res["report"].exit_codes[1] != 0
+    # Stopped until the emulator's clean-up (SIGTERM + SIGCONT), which it does not survive either: it fails, or stops
+    # on the SIGTERM at its next step with Lightning's SIGTERMException (a SystemExit: status 0).
+    assert res["report"].exit_codes[1] != 0 or "received SIGTERM; stopping" in res["logs"][1]
 
 
 @pytest.mark.timeout(200)
