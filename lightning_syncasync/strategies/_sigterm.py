@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_syncasync.algorithms._comm import new_subgroups
+from lightning_syncasync.algorithms._comm import all_reduce_, new_subgroups
 from lightning_syncasync.algorithms.topology import Topology
 
 
@@ -69,9 +69,9 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
             # Lightning registers its handler after the strategy's setup, before the first step: replaced here.
             undo_handler.append(_without_handler_broadcast(trainer, signalled))
         mine = signalled.is_set() or getattr(trainer, "received_sigterm", False)
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device="cpu")  # a gloo group's
         if together:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(flag, group, op=dist.ReduceOp.MAX)
         if flag.item():
             connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:

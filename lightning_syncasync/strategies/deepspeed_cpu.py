@@ -100,7 +100,7 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
                 "notebooks and Hydra multirun"
             )
         if config is not None:
-            config = _load(config)
+            config = _with_module_optimizer_offload(_load(config))
             check_config(config)
         super().__init__(
             stage=stage,
@@ -121,9 +121,11 @@ class DeepSpeedCPUStrategy(DeepSpeedStrategy):
         super()._configure_launcher()
 
     def _check_precision(self) -> None:
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if self.config is not None:
+            check_config_precision(self.config, precision)
         if isinstance(self.accelerator, CUDAAccelerator) or self.accelerator is None:
             return
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if precision.startswith("16"):
             from deepspeed.accelerator import get_accelerator
 
@@ -226,6 +228,38 @@ def check_config(config: dict[str, Any]) -> None:
         raise ValueError(
             f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}; HINT: 2 shards optimizer states"
         )
+
+
+def check_config_precision(config: dict[str, Any], precision: str) -> None:
+    """Refuse a user config whose ``fp16``/``bf16`` section disagrees with the Trainer's ``precision``: Lightning adds
+    the section of its precision beside the user's, and DeepSpeed then asserts at ``initialize`` (both enabled), in
+    every process; or, with ``precision=32``, DeepSpeed trains in half precision on inputs Lightning leaves fp32."""
+    enabled = [k for k in ("fp16", "bf16") if (config.get(k) or {}).get("enabled", False)]
+    wants = "fp16" if precision.startswith("16") else "bf16" if precision.startswith("bf16") else None
+    wrong = [k for k in enabled if k != wants]
+    if wrong:
+        fix = {"fp16": "'16-mixed'", "bf16": "'bf16-mixed'"}[wrong[0]]
+        raise ValueError(
+            f"the DeepSpeed config enables {wrong[0]} and the Trainer's precision is {precision!r}: DeepSpeed trains "
+            f"in one or the other. HINT: set precision={fix}, or remove the config's {wrong[0]} section (Lightning "
+            "writes the one its precision needs)"
+        )
+
+
+def _with_module_optimizer_offload(config: dict[str, Any]) -> dict[str, Any]:
+    """A user config that offloads the optimizer and trains the LightningModule's own optimizer (no ``optimizer``
+    section), as the presets do: DeepSpeed refuses that unless ``zero_force_ds_cpu_optimizer`` is false (its
+    ``ZeRORuntimeException`` at ``initialize``, after the processes started), so it is set, and said, unless the
+    config sets it."""
+    zero = config.get("zero_optimization") or {}
+    device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    if device in ("cpu", "nvme") and "optimizer" not in config and "zero_force_ds_cpu_optimizer" not in config:
+        rank_zero_info(
+            "DeepSpeed config: offload_optimizer with the LightningModule's own optimizer, so "
+            "zero_force_ds_cpu_optimizer=False (DeepSpeed would refuse it otherwise; set it in the config to choose)"
+        )
+        config = {**config, "zero_force_ds_cpu_optimizer": False}
+    return config
 
 
 def _load(config: Any) -> dict[str, Any]:

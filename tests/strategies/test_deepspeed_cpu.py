@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _host import deepspeed_cpu_fp16, deepspeed_runs_fp16  # tests/ is on sys.path through its conftest
-from _models import TinyModel
+from _models import TinyAdamModel, TinyModel
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -109,6 +109,39 @@ def test_fp16_on_this_machine_trains_or_is_refused_as_its_accelerator_reports(tm
     model = TinyModel()
     before = [p.detach().clone() for p in model.parameters()]
     trainer = _trainer(tmp_path, strategy, "16-mixed", 4)
+    trainer.fit(model)
+    assert trainer.state.finished
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "nothing trained"
+
+
+@pytest.mark.parametrize(
+    ("config", "precision", "match"),
+    [
+        ({"fp16": {"enabled": True}}, "bf16-mixed", "enables fp16.*'bf16-mixed'.*precision='16-mixed'"),
+        ({"fp16": {"enabled": True}}, "32-true", "enables fp16.*'32-true'"),
+        ({"bf16": {"enabled": True}}, "32-true", "enables bf16.*precision='bf16-mixed'"),
+    ],
+)
+def test_a_config_precision_other_than_the_trainers_is_refused_when_the_trainer_is_built(config, precision, match):
+    # DeepSpeed would assert in every process at initialize (Lightning adds its precision's section beside it).
+    strategy = DeepSpeedCPUStrategy(config={**config, "zero_optimization": {"stage": 2}}, start_method="fork")
+    with pytest.raises(ValueError, match=match):
+        Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, logger=False)
+
+
+@pytest.mark.timeout(300)
+def test_a_user_config_that_offloads_the_optimizer_trains_the_modules_own_optimizer(tmp_path):
+    # DeepSpeed refuses ZeRO-Offload with a client optimizer unless zero_force_ds_cpu_optimizer is false (its
+    # ZeRORuntimeException at initialize); the presets set it, and so does a user config that does not choose.
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    strategy = DeepSpeedCPUStrategy(config=config, start_method="fork")
+    assert strategy.config["zero_force_ds_cpu_optimizer"] is False and "zero_force_ds_cpu_optimizer" not in config
+    chosen = DeepSpeedCPUStrategy(config={**config, "zero_force_ds_cpu_optimizer": True}, start_method="fork")
+    assert chosen.config["zero_force_ds_cpu_optimizer"] is True  # the user's choice stays
+    torch.manual_seed(0)
+    model = TinyAdamModel()  # Adam: an optimizer DeepSpeed has tested with ZeRO (SGD also needs its "untested" key)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, strategy, "bf16-mixed", 3)
     trainer.fit(model)
     assert trainer.state.finished
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "nothing trained"

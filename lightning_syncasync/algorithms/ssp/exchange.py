@@ -426,7 +426,7 @@ class SSPExchange:
         if not bad:
             return shipped
         for (_, _, rates, _), _ in bad:
-            lrs -= torch.tensor(rates, dtype=torch.float64)
+            lrs -= torch.tensor(rates, dtype=torch.float64, device="cpu")
         dropped = {index for (index, *_), _ in bad}
         with self._cond:
             self._nonfinite.extend((clock, value) for (_, clock, _, _), value in bad)
