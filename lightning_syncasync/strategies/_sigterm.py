@@ -41,6 +41,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -52,7 +53,8 @@ from lightning_syncasync.algorithms.topology import Topology
 
 
 def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = None) -> Callable[[], None]:
-    """Replace Lightning's per-step SIGTERM broadcast for this fit; returns what undoes it.
+    """Replace Lightning's per-step SIGTERM broadcast for this fit, and its handler's broadcast; returns what undoes
+    both.
 
     Args:
         trainer: the fitting trainer.
@@ -61,19 +63,34 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
     """
     loop = trainer.fit_loop.epoch_loop
     together = group is not None and dist.get_world_size(group) > 1
-    undo_handler: list[Callable[[], None]] = []
+    connector = getattr(trainer, "_signal_connector", None)
+    restore_handler: list[Callable[[], None]] = []
     signalled = threading.Event()  # set by the handler's notifier; the trainer learns it here, with its group
 
+    def swap() -> None:
+        if not restore_handler and _lightnings_notifier(connector) is not None:
+            restore_handler.append(_without_handler_broadcast(trainer, connector, signalled))
+
+    # Lightning registers its handler after the strategy's setup (before the sanity check): swapped as it is
+    # registered, or at once when it is already (auto_sync entering a mode mid-fit).
+    wrapped: Callable[[], None] | None = None
+    swap()
+    if not restore_handler and connector is not None:
+        register = connector.register_signal_handlers
+
+        def register_then_swap() -> None:
+            register()
+            swap()
+
+        connector.register_signal_handlers = wrapped = register_then_swap
+
     def check() -> None:
-        if not undo_handler:
-            # Lightning registers its handler after the strategy's setup, before the first step: replaced here.
-            undo_handler.append(_without_handler_broadcast(trainer, signalled))
+        swap()  # a handler registered some other way (once swapped, nothing to do)
         mine = signalled.is_set() or getattr(trainer, "received_sigterm", False)
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device="cpu")  # a gloo group's
         if together:
             all_reduce_(flag, group, op=dist.ReduceOp.MAX)
         if flag.item():
-            connector = getattr(trainer, "_signal_connector", None)
             if connector is not None:
                 connector.received_sigterm = True  # what Lightning's loops and the user's hooks read
             raise SIGTERMException()
@@ -83,25 +100,32 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
     def undo() -> None:
         if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
             del loop._broadcast_sigterm_tensor
-        for restore in undo_handler:
+        if wrapped is not None and vars(connector).get("register_signal_handlers") is wrapped:
+            del connector.register_signal_handlers
+        for restore in restore_handler:
             restore()
-        undo_handler.clear()
+        restore_handler.clear()
 
     return undo
 
 
-def _without_handler_broadcast(trainer: pl.Trainer, signalled: threading.Event) -> Callable[[], None]:
-    """Swap Lightning's SIGTERM notifier in the registered handler for one without its broadcast (module
-    docstring), which sets ``signalled`` instead of the trainer's flag; returns what swaps it back. The trainer's
-    flag is left to the check: Lightning's loop also stops a signalled rank at the end of its step on that flag,
-    alone, where the check stops the rank's whole group at the start of the next. Nothing to swap when the handler is
-    not Lightning's (a user's own handler): then nothing changes."""
-    connector = getattr(trainer, "_signal_connector", None)
-    composed = signal.getsignal(signal.SIGTERM)
-    handlers = getattr(composed, "signal_handlers", None)
+def _lightnings_notifier(connector: Any) -> list[Any] | None:
+    """The registered SIGTERM handler's list of handlers when it holds Lightning's notifier, else ``None`` (not
+    registered yet, or a user's own handler)."""
+    handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
     notifier = getattr(connector, "_sigterm_notifier_fn", None)
-    if connector is None or not isinstance(handlers, list) or notifier not in handlers:
-        return lambda: None
+    return handlers if isinstance(handlers, list) and notifier is not None and notifier in handlers else None
+
+
+def _without_handler_broadcast(trainer: pl.Trainer, connector: Any, signalled: threading.Event) -> Callable[[], None]:
+    """Swap Lightning's SIGTERM notifier in the registered handler for one without its broadcast (module
+    docstring); returns what swaps it back. During training it sets ``signalled`` instead of the trainer's flag:
+    Lightning's loop also stops a signalled rank at the end of its step on that flag, alone, where the check stops
+    the rank's whole group at the start of the next. Outside training (validation, the sanity check) it sets the
+    trainer's flag too, so Lightning's evaluation loop stops at its next batch, as it would without the pack."""
+    handlers = _lightnings_notifier(connector)
+    assert handlers is not None
+    notifier = connector._sigterm_notifier_fn
 
     def notify(signum: int, frame: FrameType | None) -> None:
         if not signalled.is_set():
@@ -111,6 +135,8 @@ def _without_handler_broadcast(trainer: pl.Trainer, signalled: threading.Event) 
             if launcher is not None:
                 launcher.kill(signum)  # as Lightning's: the processes a launcher started get it too
         signalled.set()
+        if not trainer.training:
+            connector.received_sigterm = True
 
     original = list(handlers)
     handlers[:] = [notify if h == notifier else h for h in handlers]

@@ -54,6 +54,34 @@ def test_a_signal_on_any_rank_stops_its_node_and_only_its_node(scope, want):
         assert {r["backend"] for r in res} == {"gloo"}  # a CPU flag: on a GPU the check never waits for the device
 
 
+def test_the_handler_is_swapped_as_lightning_registers_it_and_a_signal_outside_training_reaches_its_loops(capfd):
+    # Lightning's own connector, in this process: registered after the strategy's setup (as in a fit), the handler
+    # holds the pack's notifier, which makes no collective; outside training (validation, the sanity check) it sets
+    # the trainer's flag at once, for Lightning's evaluation loop; the check then stops; undo restores everything.
+    import os
+    import signal
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False)
+    connector = trainer._signal_connector
+    before = signal.getsignal(signal.SIGTERM)
+    undo = scoped_sigterm_check(trainer, None)
+    connector.register_signal_handlers()
+    try:
+        handlers = signal.getsignal(signal.SIGTERM).signal_handlers
+        assert connector._sigterm_notifier_fn not in handlers
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert trainer.received_sigterm  # not training: Lightning's loops see it at their next batch
+        assert "rank 0: received SIGTERM; stopping at the next step" in capfd.readouterr().err
+        with pytest.raises(SIGTERMException):
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    finally:
+        undo()
+        assert connector._sigterm_notifier_fn in signal.getsignal(signal.SIGTERM).signal_handlers  # swapped back
+        assert "register_signal_handlers" not in vars(connector)
+        connector.teardown()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 class RecordCheck(Callback):
     """Which SIGTERM check the loop runs during training: Lightning's (the class's) or a scoped one."""
 
