@@ -12,7 +12,9 @@ nodes of 1 rank (``num_nodes=2, devices=1``: every strategy's cross-node path ru
 group them; with ``--ranks 1`` the strategy keeps its default backend, NCCL on a GPU), then writes
 ``DIR/rank{R}.pt``: the final parameters and buffers (on the CPU), the losses, and every tensor the pack's objects
 hold at the last step (their path, device type, dtype and size), found by :func:`owned_tensors`. ``--save`` and
-``--resume`` take a checkpoint mid-fit and resume from it; ``--strategy auto`` is plain Lightning.
+``--resume`` take a checkpoint mid-fit and resume from it; ``--strategy auto`` is plain Lightning. ``--nan-at`` makes
+rank 0's loss NaN at a step, ``--sigterm-at`` has rank 1 send itself SIGTERM at a step; a rank whose fit ends in an
+exception writes which, and at which step, to ``DIR/rank{R}.stopped.json``.
 """
 
 from __future__ import annotations
