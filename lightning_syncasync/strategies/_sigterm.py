@@ -40,6 +40,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -98,6 +99,8 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
     loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
 
     def undo() -> None:
+        if signalled.is_set() and connector is not None:
+            connector.received_sigterm = True  # a signal no check acted on yet is not lost (Lightning's loops read it)
         if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
             del loop._broadcast_sigterm_tensor
         if wrapped is not None and vars(connector).get("register_signal_handlers") is wrapped:
@@ -147,7 +150,10 @@ def _without_handler_broadcast(trainer: pl.Trainer, connector: Any, signalled: t
     return restore
 
 
-def node_stop_groups(topology: Topology) -> dist.ProcessGroup | None:
+def node_stop_groups(topology: Topology, timeout: timedelta) -> dist.ProcessGroup | None:
     """This rank's node as a gloo group for :func:`scoped_sigterm_check` (every rank creates every node's, as torch
-    requires), or ``None`` when each node is one rank."""
-    return new_subgroups(topology.all_nodes(), backend="gloo") if topology.node_size > 1 else None
+    requires), or ``None`` when each node is one rank. ``timeout``: the strategy's peer timeout, so a check whose peer
+    left without it fails within that, not torch's default 30 minutes."""
+    if topology.node_size == 1:
+        return None
+    return new_subgroups(topology.all_nodes(), backend="gloo", timeout=timeout)

@@ -230,7 +230,7 @@ class AutoSyncStrategy(
         self._groups["cross"] = new_subgroups(topo.all_cross_node(), timeout=timeout, backend=backend)
         self._groups["eval_cross"] = new_subgroups(topo.all_cross_node(), timeout=timeout)
         self._groups["ssp"] = dist.new_group(timeout=timeout, backend=backend)
-        self._groups["stop_node"] = node_stop_groups(topo)  # hier mode's SIGTERM check (strategies/_sigterm.py)
+        self._groups["stop_node"] = node_stop_groups(topo, timeout)  # hier mode's SIGTERM check (_sigterm.py)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -315,6 +315,7 @@ class AutoSyncStrategy(
         if self._undo_sigterm is not None:
             self._undo_sigterm()
             self._undo_sigterm = None
+        self._step_ok = None  # a step's flag never carries into the next mode
         self._broadcast_buffers()
         if mode == "hier" or (mode == "async" and self.local_steps > 1):
             self._equal_optimizer_states()  # hier and async rounds let the moments drift apart
@@ -442,11 +443,15 @@ class AutoSyncStrategy(
     def _zeroes_on_device(self) -> bool:
         """Async rounds on an accelerator, under DDP: a non-finite step is found and zeroed on the device, without
         the host sync per step that reading the loss back would be (``_finite_or_held_back``)."""
+        module = self.lightning_module
         return (
             self.mode == "async"
             and self.rounds is not None
             and self.root_device.type != "cpu"
             and isinstance(self.model, DistributedDataParallel)
+            # Manual optimization steps inside training_step, before the flag could exist: checked on the host.
+            and module is not None
+            and module.automatic_optimization
         )
 
     @property

@@ -172,7 +172,7 @@ class HierSyncStrategy(
         self._eval_cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout)
         # Lightning's per-step SIGTERM broadcast over the world would put the nodes back in lockstep: the node
         # stops together instead (strategies/_sigterm.py).
-        self._stop_group = node_stop_groups(topo)
+        self._stop_group = node_stop_groups(topo, timeout)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -255,14 +255,14 @@ class HierSyncStrategy(
     @override
     def teardown(self) -> None:
         # Wait for in-flight communication before the process groups go away.
-        if self.averager is not None:
-            try:
+        try:
+            if self.averager is not None:
                 self.averager.close()
-            finally:
-                self.averager = None
-        if self._undo_sigterm is not None:
-            self._undo_sigterm()
-            self._undo_sigterm = None
+        finally:
+            self.averager = None
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
+                self._undo_sigterm = None
         super().teardown()
         destroy_groups(
             self._node_group, self._world_grad_group, self._avg_node_group, self._cross_group, self._eval_cross_group,

@@ -145,7 +145,7 @@ class ShardedHierSyncStrategy(
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
         super()._make_groups(topo, timeout)
         self._eval_cross_group = new_subgroups(topo.all_cross_node(), timeout=timeout)
-        self._stop_group = None if self.hsdp else node_stop_groups(topo)
+        self._stop_group = None if self.hsdp else node_stop_groups(topo, timeout)
 
     @property
     @override
@@ -211,14 +211,14 @@ class ShardedHierSyncStrategy(
 
     @override
     def teardown(self) -> None:
-        if self.averager is not None:
-            try:
+        try:
+            if self.averager is not None:
                 self.averager.close()
-            finally:
-                self.averager = None
-        if self._undo_sigterm is not None:
-            self._undo_sigterm()
-            self._undo_sigterm = None
+        finally:
+            self.averager = None
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
+                self._undo_sigterm = None
         super().teardown()
         destroy_groups(self._eval_cross_group, self._stop_group)
         self._eval_cross_group = self._stop_group = None

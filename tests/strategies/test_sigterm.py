@@ -4,6 +4,7 @@ node for hier_sync and hier_sync_sharded, the rank alone under async training.""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +28,7 @@ def _stops(rank: int, world: int, signalled: int, scope: str) -> dict:
     # what the check reads.
     loop = _TrainingEpochLoop.__new__(_TrainingEpochLoop)
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), received_sigterm=rank == signalled)
-    group = node_stop_groups(Topology(world, 2)) if scope == "node" else None
+    group = node_stop_groups(Topology(world, 2), timedelta(seconds=30)) if scope == "node" else None
     undo = scoped_sigterm_check(trainer, group)  # type: ignore[arg-type]
     stopped = []
     for _ in range(3):  # the check runs at every step; the flag stays set once received
@@ -54,14 +55,20 @@ def test_a_signal_on_any_rank_stops_its_node_and_only_its_node(scope, want):
         assert {r["backend"] for r in res} == {"gloo"}  # a CPU flag: on a GPU the check never waits for the device
 
 
-def test_the_handler_is_swapped_as_lightning_registers_it_and_a_signal_outside_training_reaches_its_loops(capfd):
+@pytest.mark.parametrize("training", [False, True])
+def test_the_handler_is_swapped_as_lightning_registers_it_and_no_signal_is_lost(capfd, training):
     # Lightning's own connector, in this process: registered after the strategy's setup (as in a fit), the handler
-    # holds the pack's notifier, which makes no collective; outside training (validation, the sanity check) it sets
-    # the trainer's flag at once, for Lightning's evaluation loop; the check then stops; undo restores everything.
+    # holds the pack's notifier, which makes no collective. Outside training (validation, the sanity check) it sets
+    # the trainer's flag at once, for Lightning's evaluation loop, and the check stops; in training it leaves the
+    # flag to the group's check, and a signal no check acted on is handed to Lightning's flag when the check goes
+    # (auto_sync leaving a mode, the end of fit). Undo restores everything.
     import os
     import signal
 
+    from lightning.pytorch.trainer.states import RunningStage
+
     trainer = Trainer(accelerator="cpu", devices=1, logger=False)
+    trainer.state.stage = RunningStage.TRAINING if training else RunningStage.VALIDATING
     connector = trainer._signal_connector
     before = signal.getsignal(signal.SIGTERM)
     undo = scoped_sigterm_check(trainer, None)
@@ -70,12 +77,14 @@ def test_the_handler_is_swapped_as_lightning_registers_it_and_a_signal_outside_t
         handlers = signal.getsignal(signal.SIGTERM).signal_handlers
         assert connector._sigterm_notifier_fn not in handlers
         os.kill(os.getpid(), signal.SIGTERM)
-        assert trainer.received_sigterm  # not training: Lightning's loops see it at their next batch
         assert "rank 0: received SIGTERM; stopping at the next step" in capfd.readouterr().err
-        with pytest.raises(SIGTERMException):
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert trainer.received_sigterm is not training
+        if not training:
+            with pytest.raises(SIGTERMException):
+                trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
     finally:
         undo()
+        assert trainer.received_sigterm  # not lost
         assert connector._sigterm_notifier_fn in signal.getsignal(signal.SIGTERM).signal_handlers  # swapped back
         assert "register_signal_handlers" not in vars(connector)
         connector.teardown()
