@@ -87,11 +87,12 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
 
     def check() -> None:
         swap()  # a handler registered some other way (once swapped, nothing to do)
-        mine = signalled.is_set() or getattr(trainer, "received_sigterm", False)
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device="cpu")  # a gloo group's
+        stop = signalled.is_set() or bool(getattr(trainer, "received_sigterm", False))
         if together:
+            flag = torch.tensor([int(stop)], dtype=torch.int32, device="cpu")  # a gloo group's
             all_reduce_(flag, group, op=dist.ReduceOp.MAX)
-        if flag.item():
+            stop = bool(flag.item())
+        if stop:
             if connector is not None:
                 connector.received_sigterm = True  # what Lightning's loops and the user's hooks read
             raise SIGTERMException()

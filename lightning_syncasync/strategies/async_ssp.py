@@ -56,7 +56,7 @@ from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampl
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, loss_total
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
@@ -711,7 +711,7 @@ def ssp_optimizer_step(
         )
         if value is not None and not on_host:
             # Zeroed before the compensation, whose running statistics a NaN would spoil (SSPExchange.ship checks).
-            taken["loss"] = total = (value if value.numel() == 1 else value.sum()).float().reshape(())
+            taken["loss"] = total = loss_total(value)
             flat.masked_fill_(~torch.isfinite(total), 0.0)
         taken["grad"] = flat
         for p in params:

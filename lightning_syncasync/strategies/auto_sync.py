@@ -53,7 +53,7 @@ from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, loss_total
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES, ModeUnavailableError
 from lightning_syncasync.algorithms.topology import Topology
@@ -435,8 +435,7 @@ class AutoSyncStrategy(
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if isinstance(loss, torch.Tensor):
                 # Before backward: DDP's hook (_mode_hook) zeroes the gradients of a step whose loss is not finite.
-                total = (loss if loss.numel() == 1 else loss.sum()).detach().float().reshape(())
-                ok = torch.isfinite(total)
+                ok = torch.isfinite(loss_total(loss))
                 self._step_ok = ok if self._step_ok is None else self._step_ok & ok  # every micro-batch
         return out
 

@@ -81,6 +81,13 @@ _HEARTBEAT_S = 1.0
 ApplyFn = Callable[[torch.Tensor, list[float]], None]
 
 
+def loss_total(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as the 0-d fp32 sum whose finiteness stands for the loss's (a NaN or an infinity in any term leaves it
+    non-finite), on the loss's device: what ``SSPExchange.ship`` checks, and what a caller that zeroes a gradient
+    before it ships it must check alike."""
+    return (loss if loss.numel() == 1 else loss.sum()).detach().float().reshape(())
+
+
 @dataclass
 class SSPStats:
     """Recorded staleness figures (also fed to the ``StatsRecorder``)."""
@@ -310,7 +317,7 @@ class SSPExchange:
             raise ValueError(f"ship() got {len(lrs)} learning rates, the exchange was built for num_lrs={self.num_lrs}")
         total = None
         if grad is not None and loss is not None:
-            total = (loss if loss.numel() == 1 else loss.sum()).float().reshape(())
+            total = loss_total(loss)
             grad = grad.masked_fill(~torch.isfinite(total), 0.0)  # on the device: no host sync
         with self._cond:
             if grad is not None:
