@@ -32,6 +32,13 @@ the merged model on it) would have paired with it. So the handler's notifier is 
 it does without the collective: mark the trainer as signalled, and pass the signal to the processes a launcher
 started, once. It leaves the trainer's flag to the check: Lightning's loop also stops a signalled rank at the end of
 its step on that flag, alone, where the check stops the rank's whole group at the start of the next step.
+
+The check also runs when validation starts during fit: a signal in the training step before a validation would
+otherwise wait for the whole validation to end (the notifier leaves the trainer's flag alone during training, where
+Lightning's evaluation loop would have read it), which a short grace period (SLURM's ``KillWait``: 30 s by default)
+may not allow. Every rank of a group starts validation after the same step when validation is placed by batches or
+epochs; with a time-based ``val_check_interval`` each rank decides on its own clock, so there the check is the
+rank's own, and a signalled rank's validation stops at its first batch, as under Lightning.
 """
 
 from __future__ import annotations
@@ -99,11 +106,31 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
 
     loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
 
+    # Validation during fit: the check first (module docstring). Lightning calls the epoch loop's ``val_loop.run()``
+    # for it, and for the sanity check, which comes before any step and needs no check (the notifier sets the
+    # trainer's flag there itself).
+    val_loop = getattr(loop, "val_loop", None)
+    val_run = getattr(val_loop, "run", None)
+
+    def check_then_validate() -> Any:
+        if not getattr(trainer, "sanity_checking", False):
+            if not together or getattr(trainer, "_val_check_time_interval", None) is None:
+                check()
+            elif signalled.is_set() and connector is not None:
+                connector.received_sigterm = True  # this rank's validation stops at its first batch
+        assert val_run is not None
+        return val_run()
+
+    if val_run is not None:
+        val_loop.run = check_then_validate  # type: ignore[union-attr]
+
     def undo() -> None:
         if signalled.is_set() and connector is not None:
             connector.received_sigterm = True  # a signal no check acted on yet is not lost (Lightning's loops read it)
         if loop.__dict__.get("_broadcast_sigterm_tensor") is check:
             del loop._broadcast_sigterm_tensor
+        if val_run is not None and vars(val_loop).get("run") is check_then_validate:
+            del val_loop.run  # type: ignore[union-attr]
         if wrapped is not None and vars(connector).get("register_signal_handlers") is wrapped:
             del connector.register_signal_handlers
         for restore in restore_handler:
@@ -111,6 +138,25 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
         restore_handler.clear()
 
     return undo
+
+
+class SigtermScope:
+    """A strategy's :func:`scoped_sigterm_check` for the fit (or the mode) it is in: :meth:`install` replaces one
+    already installed, :meth:`undo` is safe to call at any time, and a strategy that holds one pickles (spawn)."""
+
+    def __init__(self) -> None:
+        self._undo: Callable[[], None] | None = None
+
+    def install(self, trainer: pl.Trainer, group: dist.ProcessGroup | None = None) -> None:
+        """:func:`scoped_sigterm_check` over ``group`` (``None``: the rank alone)."""
+        self.undo()
+        self._undo = scoped_sigterm_check(trainer, group)
+
+    def undo(self) -> None:
+        """Put Lightning's check and handler back (a signal not acted on yet goes to Lightning's flag)."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
 
 
 def _lightnings_notifier(connector: Any) -> list[Any] | None:

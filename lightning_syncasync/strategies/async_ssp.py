@@ -61,7 +61,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
-from lightning_syncasync.strategies._sigterm import scoped_sigterm_check
+from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -313,7 +313,7 @@ class AsyncSSPStrategy(
         self._compensator: StaleGradientCompensation | None = None
         self._apply: ApplyFn | None = None
         self._optimizer: Optimizer | None = None
-        self._undo_sigterm: Callable[[], None] | None = None
+        self._sigterm = SigtermScope()
         self._group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
         self._in_training_step = False
@@ -347,7 +347,7 @@ class AsyncSSPStrategy(
         self._params = [p for p in module.parameters() if p.requires_grad]
         optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
         self._optimizer = optimizer
-        self._undo_sigterm = scoped_sigterm_check(trainer)  # the rank alone: it trains apart
+        self._sigterm.install(trainer)  # the rank alone: it trains apart
         self._claiming = self._decide_claiming(trainer)
         if self._claiming:
             self._claim_budget = _claim_budget(trainer, self.world_size)
@@ -500,9 +500,7 @@ class AsyncSSPStrategy(
         if self.planned_steps is not None and self.lightning_module is not None:
             self.lightning_module.trainer.fit_loop.epoch_loop.max_steps = self.planned_steps  # as the user set it
             self.planned_steps = None
-        if self._undo_sigterm is not None:
-            self._undo_sigterm()
-            self._undo_sigterm = None
+        self._sigterm.undo()
         super().teardown()
         destroy_groups(self._group)
         self._group = None
@@ -732,7 +730,8 @@ def ssp_optimizer_step(
         grad = compensator.apply(taken["grad"], delta, ex.updates_since_read)
     else:
         grad = compensator.apply(taken["grad"], None, 0)
-    ex.ship(grad, learning_rates(optimizer), loss=taken.get("loss"))
+    # Zeroed above when the loss is not finite, and the compensation keeps a zero gradient zero (every kind scales it).
+    ex.ship(grad, learning_rates(optimizer), loss=taken.get("loss"), masked=True)
     return out
 
 

@@ -51,7 +51,7 @@ from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
-from lightning_syncasync.strategies._sigterm import scoped_sigterm_check
+from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
     CutsAtLightningHooks,
@@ -144,7 +144,7 @@ class ShardedAsyncSSPStrategy(
         self.exchange = None  # LocalReduceWhileAsync's per-step exchange: never here
         self.rounds: RoundExchange | None = None
         self._optimizer: Optimizer | None = None
-        self._undo_sigterm: Callable[[], None] | None = None
+        self._sigterm = SigtermScope()
         self._cross_group: dist.ProcessGroup | None = None
         self._node_group: dist.ProcessGroup | None = None
 
@@ -169,7 +169,7 @@ class ShardedAsyncSSPStrategy(
             return
         assert self.topology is not None
         self._optimizer = check_async_fit(self.optimizers, self.precision_plugin, self.strategy_name)
-        self._undo_sigterm = scoped_sigterm_check(trainer)
+        self._sigterm.install(trainer)
         self.rounds = RoundExchange(
             self._local_shards(),
             self._cross_group,
@@ -224,9 +224,7 @@ class ShardedAsyncSSPStrategy(
         if self.rounds is not None:
             self.rounds.close()
             self.rounds = None
-        if self._undo_sigterm is not None:
-            self._undo_sigterm()
-            self._undo_sigterm = None
+        self._sigterm.undo()
         super().teardown()
         destroy_groups(self._node_group)
         self._node_group = None

@@ -61,7 +61,7 @@ from lightning_syncasync.strategies._checks import check_async, check_common, ch
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
-from lightning_syncasync.strategies._sigterm import node_stop_groups, scoped_sigterm_check
+from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -156,7 +156,7 @@ class AutoSyncStrategy(
         self.exchange: SSPExchange | None = None
         self.rounds: RoundExchange | None = None
         self._async_optimizer: Optimizer | None = None
-        self._undo_sigterm: Callable[[], None] | None = None  # hier/async modes: Lightning's per-step broadcast is off
+        self._sigterm = SigtermScope()  # hier/async modes: Lightning's per-step broadcast is off
         self._apply: ApplyFn | None = None  # async mode: how this replica applies a server update
         self._diverged: float | None = None  # a non-finite loss held back in async mode (the switcher reads it)
         # Async rounds on an accelerator: this step's loss is finite (over its micro-batches), and the steps whose
@@ -312,9 +312,7 @@ class AutoSyncStrategy(
             if self.rounds is not None:
                 self.rounds.cut(stop=True)
             self.exchange = self.rounds = self._apply = None
-        if self._undo_sigterm is not None:
-            self._undo_sigterm()
-            self._undo_sigterm = None
+        self._sigterm.undo()
         self._step_ok = None  # a step's flag never carries into the next mode
         self._broadcast_buffers()
         if mode == "hier" or (mode == "async" and self.local_steps > 1):
@@ -327,7 +325,7 @@ class AutoSyncStrategy(
         if mode != "sync" and trainer is not None:
             # Lightning's per-step SIGTERM broadcast over the world (strategies/_sigterm.py) is the lockstep sync mode
             # has anyway; hier mode's nodes stop together, async mode's ranks each on their own.
-            self._undo_sigterm = scoped_sigterm_check(trainer, self._groups["stop_node"] if mode == "hier" else None)
+            self._sigterm.install(trainer, self._groups["stop_node"] if mode == "hier" else None)
         if mode == "hier":
             self.averager = DelayedAverager(
                 self._tensors,
@@ -556,9 +554,7 @@ class AutoSyncStrategy(
                 self.rounds.close()
         finally:
             self.averager = self.exchange = self.rounds = self._apply = None
-            if self._undo_sigterm is not None:
-                self._undo_sigterm()
-                self._undo_sigterm = None
+            self._sigterm.undo()
             super().teardown()
             destroy_groups(*self._groups.values())
             self._groups = {}

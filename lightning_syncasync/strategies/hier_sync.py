@@ -13,7 +13,6 @@ the compression residuals), so resuming is exact and the saved model is the merg
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -37,7 +36,7 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
-from lightning_syncasync.strategies._sigterm import node_stop_groups, scoped_sigterm_check
+from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -133,7 +132,7 @@ class HierSyncStrategy(
         self._cross_group: dist.ProcessGroup | None = None
         self._eval_cross_group: dist.ProcessGroup | None = None
         self._stop_group: dist.ProcessGroup | None = None
-        self._undo_sigterm: Callable[[], None] | None = None
+        self._sigterm = SigtermScope()
         self._restored: dict[str, Any] | None = None
         self._averager_state: dict[str, Any] | None = None
 
@@ -237,7 +236,7 @@ class HierSyncStrategy(
         if self._restored is not None:
             self.averager.load_state_dict(self._restored)  # after the broadcast: the weights are the checkpoint's
             self._restored = None
-        self._undo_sigterm = scoped_sigterm_check(trainer, self._stop_group)
+        self._sigterm.install(trainer, self._stop_group)
 
     def _nodes_apart(self) -> bool:
         return self.averager is not None
@@ -260,9 +259,7 @@ class HierSyncStrategy(
                 self.averager.close()
         finally:
             self.averager = None
-            if self._undo_sigterm is not None:
-                self._undo_sigterm()
-                self._undo_sigterm = None
+            self._sigterm.undo()
         super().teardown()
         destroy_groups(
             self._node_group, self._world_grad_group, self._avg_node_group, self._cross_group, self._eval_cross_group,

@@ -28,7 +28,6 @@ is written beside them as ``syncasync_averager_rank{R}.pt``, so a resume on the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -51,7 +50,7 @@ from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import local_part, unwrap_optimizer
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
-from lightning_syncasync.strategies._sigterm import node_stop_groups, scoped_sigterm_check
+from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
@@ -137,7 +136,7 @@ class ShardedHierSyncStrategy(
         self._cross_group: dist.ProcessGroup | None = None
         self._eval_cross_group: dist.ProcessGroup | None = None  # validation's, apart from the averager's
         self._stop_group: dist.ProcessGroup | None = None  # the node's SIGTERM check (strategies/_sigterm.py)
-        self._undo_sigterm: Callable[[], None] | None = None
+        self._sigterm = SigtermScope()
 
     # -- groups -------------------------------------------------------------------------------------------------
 
@@ -187,7 +186,7 @@ class ShardedHierSyncStrategy(
         )
         # The nodes run apart between averages; Lightning's per-step SIGTERM broadcast would put them back in lockstep
         # (with hsdp, FSDP2's cross-node all-reduce does that anyway, and Lightning's check stays).
-        self._undo_sigterm = scoped_sigterm_check(trainer, self._stop_group)
+        self._sigterm.install(trainer, self._stop_group)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
@@ -216,9 +215,7 @@ class ShardedHierSyncStrategy(
                 self.averager.close()
         finally:
             self.averager = None
-            if self._undo_sigterm is not None:
-                self._undo_sigterm()
-                self._undo_sigterm = None
+            self._sigterm.undo()
         super().teardown()
         destroy_groups(self._eval_cross_group, self._stop_group)
         self._eval_cross_group = self._stop_group = None

@@ -27,6 +27,7 @@ def _stops(rank: int, world: int, signalled: int, scope: str) -> dict:
     # 4 ranks as 2 nodes of 2; only `signalled` received SIGTERM. Lightning's loop object is real, the trainer only
     # what the check reads.
     loop = _TrainingEpochLoop.__new__(_TrainingEpochLoop)
+    loop.val_loop = _ValLoop()
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), received_sigterm=rank == signalled)
     group = node_stop_groups(Topology(world, 2), timedelta(seconds=30)) if scope == "node" else None
     undo = scoped_sigterm_check(trainer, group)  # type: ignore[arg-type]
@@ -37,10 +38,20 @@ def _stops(rank: int, world: int, signalled: int, scope: str) -> dict:
             stopped.append(False)
         except SIGTERMException:
             stopped.append(True)
+    try:  # validation during fit: the same check first (a signal in the step before it is not held until its end)
+        validated = loop.val_loop.run()
+    except SIGTERMException:
+        validated = None
     undo()
-    restored = "_broadcast_sigterm_tensor" not in loop.__dict__
+    restored = "_broadcast_sigterm_tensor" not in loop.__dict__ and "run" not in vars(loop.val_loop)
     dist.barrier()
-    return {"stopped": stopped, "restored": restored, "backend": dist.get_backend(group) if group else None}
+    return {"stopped": stopped, "validated": validated, "restored": restored,
+            "backend": dist.get_backend(group) if group else None}  # fmt: skip
+
+
+class _ValLoop:
+    def run(self) -> str:
+        return "validated"
 
 
 @pytest.mark.timeout(120)
@@ -50,6 +61,8 @@ def test_a_signal_on_any_rank_stops_its_node_and_only_its_node(scope, want):
     res = run_distributed(_stops, 4, 3, scope)
     assert [r["stopped"] == [True] * 3 for r in res] == want
     assert all(r["stopped"] in ([True] * 3, [False] * 3) for r in res)
+    assert [r["validated"] is None for r in res] == want
+    assert all(r["validated"] in (None, "validated") for r in res)
     assert all(r["restored"] for r in res)
     if scope == "node":
         assert {r["backend"] for r in res} == {"gloo"}  # a CPU flag: on a GPU the check never waits for the device
@@ -151,3 +164,56 @@ def test_a_signalled_node_stops_together_and_the_other_node_is_told_by_name(tmp_
         if r in stopped:  # (a rank ended by the watchdog's hard exit writes nothing)
             message = stopped[r]["message"]
             assert ("rank 0" in message or "rank 1" in message) and stopped[r]["exception"] != "SIGTERMException"
+
+
+class _CountsValidation(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated = 0
+
+    def validation_step(self, batch, batch_idx):
+        self.validated += 1
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+class _SignalBeforeValidation(Callback):
+    """Installs the rank's own check (as the async strategies do) and sends this process SIGTERM during the training
+    batch after which validation runs."""
+
+    def __init__(self, at_batch: int) -> None:
+        self.at_batch = at_batch
+        self.scope: object | None = None
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_syncasync.strategies._sigterm import SigtermScope
+
+        self.scope = SigtermScope()
+        self.scope.install(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at_batch:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def teardown(self, trainer, pl_module, stage):
+        self.scope.undo()  # type: ignore[union-attr]
+
+
+def test_a_signal_in_the_step_before_validation_stops_before_validating(tmp_path):
+    # In the training step after which validation runs, the notifier leaves Lightning's flag to the check, which the
+    # loop runs at the next step: after the whole validation, without the check at validation start. Lightning's
+    # own loop, a real signal; Lightning would have stopped at its first validation batch, this stops before it.
+    model = _CountsValidation()
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=4, limit_val_batches=5,
+                      num_sanity_val_steps=0, logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[_SignalBeforeValidation(at_batch=3)])  # fmt: skip
+    with pytest.raises(SIGTERMException):
+        trainer.fit(model)
+    assert model.validated == 0
+    assert trainer.received_sigterm
+    assert trainer.current_epoch == 0 and trainer.global_step == 4

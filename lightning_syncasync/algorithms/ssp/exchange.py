@@ -298,7 +298,13 @@ class SSPExchange:
         """Server updates applied since this step's gradient started (the ``tau`` of its compensation)."""
         return self.applied - self._read
 
-    def ship(self, grad: torch.Tensor | None, lrs: Sequence[float], loss: torch.Tensor | None = None) -> None:
+    def ship(
+        self,
+        grad: torch.Tensor | None,
+        lrs: Sequence[float],
+        loss: torch.Tensor | None = None,
+        masked: bool = False,
+    ) -> None:
         """After backward: hand this step's gradient (flat, fp32, over ``params``) to the exchange, with the
         learning rate of each param group. ``None`` ships nothing (a dropped step) but still advances the clock.
 
@@ -307,7 +313,8 @@ class SSPExchange:
         gradient on the device at once, and the exchange thread, which reads the loss when its round starts (its own
         stream has waited for the loop's by then: the thread waits, the loop does not), drops that gradient from the
         round as ``ship(None)`` would and reports it through :meth:`pop_nonfinite`. The check is of the loss's fp32
-        sum, as ``RoundExchange.note_loss``'s."""
+        sum, as ``RoundExchange.note_loss``'s. ``masked``: the caller has zeroed ``grad`` already when that sum is not
+        finite (``ssp_optimizer_step`` does, before its compensation), which saves a pass over the gradient."""
         now = time.perf_counter()
         if self._last_finish is not None:
             dt = now - self._last_finish
@@ -318,7 +325,8 @@ class SSPExchange:
         total = None
         if grad is not None and loss is not None:
             total = loss_total(loss)
-            grad = grad.masked_fill(~torch.isfinite(total), 0.0)  # on the device: no host sync
+            if not masked:
+                grad = grad.masked_fill(~torch.isfinite(total), 0.0)  # on the device: no host sync
         with self._cond:
             if grad is not None:
                 if total is not None:
