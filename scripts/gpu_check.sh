@@ -9,11 +9,14 @@
 # the test results included) and gpu_bench.log. The benchmark runs even when the tests fail, so one run gives both;
 # the exit status is non-zero when either failed.
 #
-# Sized for 8 minutes on one H200: each stage has a hard time limit, GPU_CHECK_TESTS_TIMEOUT_S (default 290) and
-# GPU_CHECK_BENCH_TIMEOUT_S (default 150), so a hung NCCL start cannot eat the machine's time. A stage past its limit
-# gets SIGINT (SIGKILL 20 s later): pytest then still prints the failures so far and writes its JUnit file, and the
-# benchmark's JSON already holds every figure read (it is rewritten after each one). The test files run in a fixed
-# order, most telling first, the DeepSpeed presets (the slowest start) last; each test's outcome is logged as it ends.
+# Sized for 8 minutes on one H200: each stage has a hard time limit, GPU_CHECK_TESTS_TIMEOUT_S (default 280) and
+# GPU_CHECK_BENCH_TIMEOUT_S (default 140), so a hung NCCL start cannot eat the machine's time; with the kill grace and
+# the start-up checks that is at most about 460 s. A stage past its limit gets SIGINT (SIGKILL 10 s later): pytest
+# then still prints the failures so far and writes its JUnit file, and the benchmark's JSON already holds every figure
+# read (it is rewritten after each one). The test files run in a fixed order, most telling first, the DeepSpeed
+# presets (the slowest start) late; each test's outcome is logged as it ends. The test time is shared out over the
+# files (tests/gpu/_budget.py, through SYNCASYNC_GPU_CHECK_DEADLINE, 20 s before the hard limit): a test whose file
+# used up its share is skipped, saying so, so one slow file cannot leave the files after it never run.
 # Inductor compiles in the test processes with one thread (TORCHINDUCTOR_COMPILE_THREADS, unless set): each rank job
 # would otherwise start a pool of compile workers per CPU core.
 # PYTHON picks the interpreter (default: python). The package need not be installed: the repo goes on PYTHONPATH.
@@ -22,8 +25,8 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
-tests_timeout="${GPU_CHECK_TESTS_TIMEOUT_S:-290}"
-bench_timeout="${GPU_CHECK_BENCH_TIMEOUT_S:-150}"
+tests_timeout="${GPU_CHECK_TESTS_TIMEOUT_S:-280}"
+bench_timeout="${GPU_CHECK_BENCH_TIMEOUT_S:-140}"
 cpu_mode="${SYNCASYNC_GPU_CHECK_CPU:-0}"
 
 # The first argument is the output folder unless it is already a benchmark option.
@@ -59,6 +62,25 @@ else
     device_args=()
 fi
 
+# What the GPU tests and the fused codec need besides CUDA, said up front (the check goes on either way): Triton and a
+# C compiler (Triton builds its launcher with one; without, codec="auto" stays eager and the codec tests fail), the
+# per-test time limits (pytest-timeout), and a compute mode that lets two processes share the GPU (the shared-GPU
+# tests' ranks; "Exclusive_Process" refuses the second).
+preflight="$("$PYTHON" - <<'PY' 2>&1 || true
+import importlib.util, shutil, subprocess
+def have(name):
+    return "yes" if importlib.util.find_spec(name) is not None else "MISSING"
+cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or "MISSING"
+mode = "unknown (no nvidia-smi)"
+if shutil.which("nvidia-smi"):
+    run = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=20)
+    mode = run.stdout.strip() or run.stderr.strip()
+print(f"triton {have('triton')}, C compiler {cc}, pytest-timeout {have('pytest_timeout')}, compute mode {mode}")
+PY
+)"
+say "preflight: $preflight"
+
 # Results of an earlier run must not pass for this one's.
 rm -f "$out_dir/gpu_tests.xml" "$out_dir/gpu_tests.log" "$out_dir/gpu_check.json" "$out_dir/gpu_bench.log"
 
@@ -81,7 +103,8 @@ else
     for f in "${last[@]}"; do [[ -f "$f" ]] && files+=("$f"); done
     say "GPU tests (at most ${tests_timeout}s): pytest -m gpu ${files[*]}"
     TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}" \
-        timeout -s INT -k 20 "$tests_timeout" "$PYTHON" -m pytest -m gpu "${files[@]}" -p no:cacheprovider -v \
+        SYNCASYNC_GPU_CHECK_DEADLINE="$(($(date +%s) + tests_timeout - 20))" \
+        timeout -s INT -k 10 "$tests_timeout" "$PYTHON" -m pytest -m gpu "${files[@]}" -p no:cacheprovider -v \
         --junitxml "$out_dir/gpu_tests.xml" 2>&1 | tee "$out_dir/gpu_tests.log" || tests_rc=$?
     case "$tests_rc" in
         0) say "GPU tests passed" ;;
@@ -98,7 +121,7 @@ if [[ -f "$out_dir/gpu_tests.xml" ]]; then
 fi
 say "benchmark (at most ${bench_timeout}s): python -m lightning_syncasync.bench.gpu"
 bench_rc=0
-timeout -s INT -k 20 "$bench_timeout" "$PYTHON" -m lightning_syncasync.bench.gpu "${bench_args[@]}" \
+timeout -s INT -k 10 "$bench_timeout" "$PYTHON" -m lightning_syncasync.bench.gpu "${bench_args[@]}" \
     ${device_args[@]+"${device_args[@]}"} "$@" 2>&1 | tee "$out_dir/gpu_bench.log" || bench_rc=$?
 case "$bench_rc" in
     0) say "benchmark done" ;;

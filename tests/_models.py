@@ -80,6 +80,26 @@ class NaNAfterModel(TinyModel):
         return loss * float("nan") if self.global_step >= 2 else loss
 
 
+class ManualNaNModel(TinyModel):
+    """Manual optimisation with one optimizer; its loss turns NaN from step ``at`` on (on ``rank`` only, if given).
+    Lightning's closure returns no loss then: divergence detection must read the gradients."""
+
+    def __init__(self, at: int = 2, rank: int | None = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.at, self.rank = at, rank
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step >= self.at and self.rank in (None, self.global_rank):
+            loss = loss * float("nan")
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
 class ManualTwoOptimizersModel(TinyModel):
     """Manual optimisation with two optimizers (one per layer) and manual gradient clipping."""
 

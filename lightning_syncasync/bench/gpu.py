@@ -13,7 +13,9 @@ Three measurements, all in this process, written to one JSON summary (``--out``)
    it) and without. The bound on this figure: it is ``4 / B`` of the bandwidth for a codec that moves ``B`` bytes
    of memory per element. A fully fused ``int8`` codec with error feedback reads the input and the residual (8 B),
    writes the codes and the new residual (1 + 4 B), and its decode reads the codes and writes fp32 (1 + 4 B): 18 B,
-   so at most 22% of the bandwidth; without error feedback 10 B, at most 40%. The eager PyTorch codec
+   so at most 22% of the bandwidth; without error feedback 14 B (the encode writes the decoded copy instead of the
+   residual), at most 29% (``bound_fraction`` in each record, and the figure's ``share_of_bound``; in general
+   ``16 + 2c`` and ``12 + 2c`` bytes for ``c`` bytes of codes per element). The eager PyTorch codec
    (``algorithms/compression/_codec.py`` run op by op: abs, amax, divide, round, clamp, multiply, cast, concatenate,
    each a pass over memory) moves about 88 B per element with error feedback: about 4.5% expected. Each method runs with
    the codec the strategies use on the device (``Compressor(codec="auto")``: fused by ``torch.compile`` on CUDA,
@@ -68,6 +70,8 @@ LIGHTNING_DDP = "ddp"
 MONITORED = "auto+sync_monitor"
 DEFAULT_METHODS: tuple[str, ...] = ("int8", "int4", "sign", "fp16", "bf16")
 CAST_METHODS: tuple[str, ...] = ("fp16", "bf16")  # timed by Compressor.time_codec as their casts
+# Bytes of codes per element of the chunked codecs (their scales, 4 B per chunk of 256, left out), for the fused bound.
+CODE_BYTES_PER_ELEMENT: dict[str, float] = {"int8": 1.0, "int4": 0.5, "sign": 0.125}
 # Timed with both codecs, eager and fused (``Compressor(codec=...)``); the other methods with the device's default.
 COMPARED_METHOD = "int8"
 # The targets of the issue this check was written for: the int8 codec at 30% of the memory bandwidth or more, and
@@ -302,14 +306,19 @@ def measure_codec(
     finally:
         _free(device)
     gbps = numel * 4 / (encode_s + decode_s) / 1e9
+    fraction = gbps / bandwidth_gbps
+    code = CODE_BYTES_PER_ELEMENT.get(method)
     out = {
         "codec": codec.kernels.mode(device) if method not in CAST_METHODS else "cast",
         "encode_s": encode_s,
         "decode_s": decode_s,
         "gbps": gbps,
-        "fraction_of_bandwidth": gbps / bandwidth_gbps,
+        "fraction_of_bandwidth": fraction,
         "error": None,
     }
+    if code is not None:
+        # The fused bound (module docstring): the bytes a codec must move per element, 4 of them the fp32 input.
+        out.update(bound_fraction=4 / (16 + 2 * code), share_of_bound=fraction * (16 + 2 * code) / 4)
     if plain is not None:
         plain_gbps = numel * 4 / sum(plain) / 1e9
         out.update(
@@ -317,6 +326,11 @@ def measure_codec(
             gbps_without_error_feedback=plain_gbps,
             fraction_without_error_feedback=plain_gbps / bandwidth_gbps,
         )
+        if code is not None:
+            out.update(
+                bound_fraction_without_error_feedback=4 / (12 + 2 * code),
+                share_of_bound_without_error_feedback=plain_gbps / bandwidth_gbps * (12 + 2 * code) / 4,
+            )
     return out
 
 
@@ -562,15 +576,17 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{dev['hostname']}, {dev['date_utc']}",
         f"memory bandwidth (copy, read + write): {_fmt(summary.get('bandwidth_gbps'), '.1f')} GB/s",
         "",
-        f"{'compression':<12} {'encode ms':>10} {'decode ms':>10} {'GB/s':>9} {'of bandwidth':>13} {'without EF':>11}",
+        f"{'compression':<13} {'encode ms':>10} {'decode ms':>10} {'GB/s':>9} {'of bandwidth':>13} {'of bound':>9} "
+        f"{'without EF':>11}",
     ]
     for method, rec in summary["compression"].items():
         if rec["error"] is not None:
-            lines.append(f"{method:<12} error: {rec['error'][:100]}")
+            lines.append(f"{method:<13} error: {rec['error'][:100]}")
             continue
         lines.append(
-            f"{method:<12} {rec['encode_s'] * 1e3:>10.3f} {rec['decode_s'] * 1e3:>10.3f} {rec['gbps']:>9.4g} "
-            f"{rec['fraction_of_bandwidth']:>12.1%} {_fmt(rec.get('fraction_without_error_feedback'), '.1%'):>11}"
+            f"{method:<13} {rec['encode_s'] * 1e3:>10.3f} {rec['decode_s'] * 1e3:>10.3f} {rec['gbps']:>9.4g} "
+            f"{rec['fraction_of_bandwidth']:>12.1%} {_fmt(rec.get('share_of_bound'), '.1%'):>9} "
+            f"{_fmt(rec.get('fraction_without_error_feedback'), '.1%'):>11}"
         )
     lines += ["", f"{'strategy':<22} {'steps/s':>9} {'vs plain':>9}  runs"]
     for name, rec in summary["steps_per_s"].items():
@@ -644,29 +660,35 @@ def main(argv: list[str] | None = None) -> int:
         summary["steps_per_s"] = results
         save()
 
-    # Steps/s first: its time is known (fits of a few seconds each), while the codecs' first compiles (Triton, at
-    # 100 M elements) are not; each figure is written as soon as it is read, so a stopped check keeps them.
+    # The order puts each target's figure early, in case the check is stopped (each figure is written as soon as it is
+    # read): the bandwidth (a second), the target's codec with the device's default (its first compile, Triton at
+    # 100 M elements, takes tens of seconds cold), the strategies' steps/s (fits of a few seconds each), then the
+    # other codecs and the target's codec with the other setting.
     save()  # the settings and the GPU tests' results, before anything that could hang
-    log.info("steps/s at devices=1: %s, %d round(s)", ", ".join([BASELINE, *names]), args.rounds)
-    partial(measure_strategies(names, device, args, on_fit=partial))
     log.info("memory bandwidth on %s: copying %d fp32 elements", device, 4 * args.numel)
     summary["bandwidth"] = measure_bandwidth(device, 4 * args.numel)
     bandwidth = summary["bandwidth_gbps"] = summary["bandwidth"]["gbps"]
     save()
-    for method in methods:
-        summary["compression"][method] = measure_codec(method, args.numel, device, bandwidth)
-        log.info("compression %s: %s GB/s", method, _fmt(summary["compression"][method]["gbps"], ".4g"))
-        save()
-        if method == COMPARED_METHOD:
-            # The target's method with the other codec too (fused where the default is eager, and the reverse), so
-            # one run shows what fusing gains on this device.
-            from lightning_syncasync.algorithms.compression._codec import Kernels
 
-            other = "eager" if Kernels("auto").mode(device) == "compiled" else "compiled"
-            row = f"{method}+{other}"
-            summary["compression"][row] = measure_codec(method, args.numel, device, bandwidth, other)
-            log.info("compression %s: %s GB/s", row, _fmt(summary["compression"][row]["gbps"], ".4g"))
-            save()
+    def codec(method: str, setting: str = "auto") -> None:
+        row = method if setting == "auto" else f"{method}+{setting}"
+        summary["compression"][row] = measure_codec(method, args.numel, device, bandwidth, setting)
+        log.info("compression %s: %s GB/s", row, _fmt(summary["compression"][row]["gbps"], ".4g"))
+        save()
+
+    if COMPARED_METHOD in methods:
+        codec(COMPARED_METHOD)
+    log.info("steps/s at devices=1: %s, %d round(s)", ", ".join([BASELINE, *names]), args.rounds)
+    partial(measure_strategies(names, device, args, on_fit=partial))
+    for method in methods:
+        if method != COMPARED_METHOD:
+            codec(method)
+    if COMPARED_METHOD in methods:
+        # The target's method with the other codec too (fused where the default is eager, and the reverse), so one
+        # run shows what fusing gains on this device.
+        from lightning_syncasync.algorithms.compression._codec import Kernels
+
+        codec(COMPARED_METHOD, "eager" if Kernels("auto").mode(device) == "compiled" else "compiled")
     summary["complete"] = True
     save()
     print(format_table(summary))

@@ -56,7 +56,7 @@ from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampl
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, loss_total
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, grads_total, loss_total
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
@@ -79,14 +79,24 @@ class LocalReduceWhileAsync:
     exchange: SSPExchange | None
     rounds: RoundExchange | None = None
     sync_stats: StatsRecorder
+    _compensator: StaleGradientCompensation | None = None
+    _apply: ApplyFn | None = None
     _in_training_step: bool = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_training_step = True
         try:
+            ex, compensator, apply = self.exchange, self._compensator, self._apply
+            if ex is not None and compensator is not None and apply is not None:
+                # Per-step SSP: the gate before the step's first forward (ssp_gate), once per step.
+                ssp_gate(ex, compensator, apply, self.global_rank, self._on_nonfinite())  # type: ignore[attr-defined]
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._in_training_step = False
+
+    def _on_nonfinite(self) -> Callable[[float], None] | None:
+        """What a non-finite loss in per-step SSP does: ``None`` raises :class:`DivergenceError`."""
+        return None
 
     def _async_active(self) -> bool:
         return self.exchange is not None or self.rounds is not None
@@ -313,6 +323,7 @@ class AsyncSSPStrategy(
         self._compensator: StaleGradientCompensation | None = None
         self._apply: ApplyFn | None = None
         self._optimizer: Optimizer | None = None
+        self._params: list[torch.Tensor] = []
         self._sigterm = SigtermScope()
         self._group: dist.ProcessGroup | None = None
         self._restored: dict[str, Any] | None = None
@@ -462,8 +473,8 @@ class AsyncSSPStrategy(
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.rounds is not None:
             # A local step on fresh gradients of this replica, with its own optimizer; then the round's bookkeeping.
-            out = super().optimizer_step(optimizer, finite_closure(closure, self.global_rank, self.rounds), model,
-                                         **kwargs)  # fmt: skip
+            checked = finite_closure(closure, self.global_rank, self.rounds, self._params)
+            out = super().optimizer_step(optimizer, checked, model, **kwargs)
             with as_divergence(self.global_rank):
                 self.rounds.after_step()
             return out
@@ -569,9 +580,13 @@ def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
     return trainer.max_steps * world if trainer.max_steps > 0 else None
 
 
-def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange | None) -> Callable[[], Any]:
+def finite_closure(
+    closure: Callable[[], Any], rank: int, rounds: RoundExchange | None, params: Sequence[torch.Tensor]
+) -> Callable[[], Any]:
     """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
-    replica's next round would carry the NaN into every other replica.
+    replica's next round would carry the NaN into every other replica. Under manual optimization Lightning's closure
+    returns no loss (the step's backward ran in ``training_step``), so the gradients of ``params`` are checked in its
+    place (:func:`grads_total`).
 
     On a GPU (any device but the CPU: accelerators run ahead of the host), reading the check back every step would
     be a host sync per step; there the losses are summed on the device over the round
@@ -580,23 +595,28 @@ def finite_closure(closure: Callable[[], Any], rank: int, rounds: RoundExchange 
 
     def wrapped() -> Any:
         loss = closure()
-        value = loss.detach() if isinstance(loss, torch.Tensor) else None
+        value = loss.detach() if isinstance(loss, torch.Tensor) else grads_total(params)
         if value is None:
             return loss
-        scalar = value.numel() == 1  # the usual loss: no kernel on a CPU
         if value.device.type != "cpu" and rounds is not None:
             rounds.note_loss(value)
             return loss
-        if not (math.isfinite(value.item()) if scalar else bool(torch.isfinite(value).all())):
+        total = loss_total(value)
+        if not math.isfinite(total.item()):
             where = f"round {rounds.launched}" if rounds is not None else "a step"
             raise DivergenceError(
-                f"rank {rank}: loss is {value.item()} in {where} under async training; stopped before this "
-                "replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher to fall "
-                "back to synchronous training"
+                f"rank {rank}: {_checked(loss)} is {total.item()} in {where} under async training; stopped before "
+                "this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher to "
+                "fall back to synchronous training"
             )
         return loss
 
     return wrapped
+
+
+def _checked(loss: Any) -> str:
+    """What the finiteness check read: the loss, or under manual optimization the gradients."""
+    return "loss" if isinstance(loss, torch.Tensor) else "the gradients' sum (manual optimization)"
 
 
 @contextmanager
@@ -607,7 +627,8 @@ def as_divergence(rank: int) -> Iterator[None]:
         yield
     except NonFiniteRoundError as err:
         raise DivergenceError(
-            f"rank {rank}: a loss was not finite (nan or inf) in round {err.index} under async training; stopped "
+            f"rank {rank}: a loss (under manual optimization, a gradient) was not finite (nan or inf) in round "
+            f"{err.index} under async training; stopped "
             "before this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher "
             "to fall back to synchronous training"
         ) from err
@@ -637,6 +658,11 @@ def server_update(optimizer: Optimizer, params: Sequence[torch.Tensor], module: 
 
     @torch.no_grad()
     def apply(grad: torch.Tensor, lrs: list[float]) -> None:
+        # A gradient already on the replica (earlier micro-batches under gradient accumulation, or manual
+        # optimization's backward, both before the step's optimizer call) is set aside and put back: the update
+        # steps the optimizer through p.grad. Dropping it lost those gradients (measured: 7 of 12 steps' with
+        # accumulate_grad_batches=2 at 2 ranks).
+        held = [p.grad for p in params]
         offset = 0
         for p in params:
             n = p.numel()
@@ -653,8 +679,8 @@ def server_update(optimizer: Optimizer, params: Sequence[torch.Tensor], module: 
         finally:
             for group, lr in zip(opt.param_groups, old, strict=True):
                 group["lr"] = lr
-            for p in params:
-                p.grad = None
+            for p, g in zip(params, held, strict=True):
+                p.grad = g
 
     return apply
 
@@ -688,28 +714,27 @@ def ssp_optimizer_step(
     the gradient's round starts and drops it from the round (``SSPExchange.ship``); the error (or ``on_nonfinite``)
     comes at the next step or cut (:func:`report_nonfinite`), still before the NaN reached any replica.
     """
-    report_nonfinite(ex, rank, on_nonfinite)
-    ex.begin_step(apply)  # the SSP gate, then the server updates formed so far
+    ssp_gate(ex, compensator, apply, rank, on_nonfinite)  # passed already when training_step ran first (the rule)
     params = ex.tensors
-    # The weights the gradient is computed on, for DC-ASGD's correction only: a full copy of the model per step.
-    read = ex.flat() if compensator.needs_delta else None
+    read = ex.read_weights
     taken: dict[str, torch.Tensor] = {}
     bad: list[float] = []
 
     def wrapped() -> Any:
         loss = closure()
-        value = loss.detach() if isinstance(loss, torch.Tensor) else None
-        on_host = value is not None and value.device.type == "cpu"
-        if on_host and not bool(torch.isfinite(value).all()):  # type: ignore[arg-type]
-            if on_nonfinite is None:
-                _raise_nonfinite(rank, float(value.float().sum()), ex.clock)  # type: ignore[union-attr]
-            bad.append(float(value.float().mean()))  # type: ignore[union-attr]
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
         )
-        if value is not None and not on_host:
+        # Manual optimization: Lightning's closure returns no loss, so the gradient itself is checked.
+        total = loss_total(loss.detach() if isinstance(loss, torch.Tensor) else flat)
+        if total.device.type == "cpu":
+            if not math.isfinite(total.item()):
+                if on_nonfinite is None:
+                    _raise_nonfinite(rank, total.item(), ex.clock, _checked(loss))
+                bad.append(total.item())
+        else:
             # Zeroed before the compensation, whose running statistics a NaN would spoil (SSPExchange.ship checks).
-            taken["loss"] = total = loss_total(value)
+            taken["loss"] = total
             flat.masked_fill_(~torch.isfinite(total), 0.0)
         taken["grad"] = flat
         for p in params:
@@ -735,6 +760,26 @@ def ssp_optimizer_step(
     return out
 
 
+def ssp_gate(
+    ex: SSPExchange,
+    compensator: StaleGradientCompensation,
+    apply: ApplyFn,
+    rank: int,
+    on_nonfinite: Callable[[float], None] | None = None,
+) -> None:
+    """The start of a per-step SSP step, before its first forward: the gradients the exchange's thread dropped
+    (:func:`report_nonfinite`), the SSP gate, the server updates formed so far, and for DC-ASGD a copy of the
+    weights read (a full copy of the model per step). Once per step: a no-op until the step ships.
+
+    The strategies call it from ``training_step``, so every micro-batch of a step under gradient accumulation, and
+    manual optimization's backward inside ``training_step``, compute on the weights the gate let through, as the
+    bound says; from the optimizer call instead, the earlier micro-batches would read weights one update short."""
+    if ex.gated:
+        return
+    report_nonfinite(ex, rank, on_nonfinite)
+    ex.begin_step(apply, keep_read=compensator.needs_delta)
+
+
 def report_nonfinite(ex: SSPExchange, rank: int, on_nonfinite: Callable[[float], None] | None = None) -> None:
     """The gradients ``ex``'s thread dropped for a non-finite loss (on an accelerator: ``ssp_optimizer_step``):
     :class:`DivergenceError`, or each one to ``on_nonfinite``. Called at every step and after every cut."""
@@ -744,9 +789,9 @@ def report_nonfinite(ex: SSPExchange, rank: int, on_nonfinite: Callable[[float],
         on_nonfinite(value)
 
 
-def _raise_nonfinite(rank: int, value: float, clock: int) -> NoReturn:
+def _raise_nonfinite(rank: int, value: float, clock: int, what: str = "loss") -> NoReturn:
     raise DivergenceError(
-        f"rank {rank}: loss is {value} at clock {clock} under async training; stopped before the gradient reached "
+        f"rank {rank}: {what} is {value} at clock {clock} under async training; stopped before the gradient reached "
         "the other replicas. HINT: lower the learning rate or the staleness, or use SyncSwitcher to fall back to "
         "synchronous training"
     )

@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -144,6 +145,7 @@ class ShardedAsyncSSPStrategy(
         self.exchange = None  # LocalReduceWhileAsync's per-step exchange: never here
         self.rounds: RoundExchange | None = None
         self._optimizer: Optimizer | None = None
+        self._params: list[torch.Tensor] = []
         self._sigterm = SigtermScope()
         self._cross_group: dist.ProcessGroup | None = None
         self._node_group: dist.ProcessGroup | None = None
@@ -169,6 +171,7 @@ class ShardedAsyncSSPStrategy(
             return
         assert self.topology is not None
         self._optimizer = check_async_fit(self.optimizers, self.precision_plugin, self.strategy_name)
+        self._params = [p for p in module.parameters() if p.requires_grad]  # manual optimization's check
         self._sigterm.install(trainer)
         self.rounds = RoundExchange(
             self._local_shards(),
@@ -192,7 +195,9 @@ class ShardedAsyncSSPStrategy(
         if self.rounds is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # A local step of the node (FSDP inside it) on fresh gradients; then the round's bookkeeping.
-        out = super().optimizer_step(optimizer, finite_closure(closure, self.global_rank, self.rounds), model, **kwargs)
+        out = super().optimizer_step(
+            optimizer, finite_closure(closure, self.global_rank, self.rounds, self._params), model, **kwargs
+        )
         with as_divergence(self.global_rank):
             self.rounds.after_step()
         return out

@@ -53,7 +53,7 @@ from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, loss_total
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, grads_total, loss_total
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES, ModeUnavailableError
 from lightning_syncasync.algorithms.topology import Topology
@@ -416,7 +416,7 @@ class AutoSyncStrategy(
             out = ssp_optimizer_step(
                 self.exchange, self._compensator, self._apply, optimizer, self.global_rank, closure,
                 lambda wrapped: super(AutoSyncStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
-                on_nonfinite=self._held_back,
+                on_nonfinite=self._on_nonfinite(),
             )  # fmt: skip
         else:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -481,9 +481,11 @@ class AutoSyncStrategy(
             loss = closure()
             if self._zeroes_on_device():
                 return loss
-            value = loss.detach() if isinstance(loss, torch.Tensor) else None
-            if value is not None and not bool(torch.isfinite(value).all()):
-                self._held_back(float(value.float().mean()))
+            # Manual optimization: Lightning's closure returns no loss (the backward ran in training_step), so the
+            # gradients are checked in its place, on the host (_zeroes_on_device: a sync per step on an accelerator).
+            value = loss.detach() if isinstance(loss, torch.Tensor) else grads_total(self._params)
+            if value is not None and not math.isfinite(total := loss_total(value).item()):
+                self._held_back(total)
                 for p in self._params:
                     p.grad = None
             return loss
@@ -494,6 +496,10 @@ class AutoSyncStrategy(
         assert self.exchange is not None and self._apply is not None
         self.exchange.cut(self._apply, stop=stop)
         report_nonfinite(self.exchange, self.global_rank, self._held_back)  # found by its thread (an accelerator's)
+
+    @override
+    def _on_nonfinite(self) -> Callable[[float], None] | None:
+        return self._held_back
 
     def _held_back(self, loss: float, steps: int = 1) -> None:
         self._diverged = loss

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ConstantGradModel, EpochLoggedConstantGradModel, NaNAfterModel, ScheduledModel, TinyAdamModel
+from _models import (
+    ConstantGradModel,
+    EpochLoggedConstantGradModel,
+    ManualNaNModel,
+    NaNAfterModel,
+    ScheduledModel,
+    TinyAdamModel,
+)
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -155,9 +162,12 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path):
-    with pytest.raises(Exception, match=r"rank \d: loss is nan in round"):
-        _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), NaNAfterModel(), limit_val_batches=0)
+@pytest.mark.parametrize(
+    ("model", "what"), [(NaNAfterModel, "loss"), (ManualNaNModel, r"the gradients' sum \(manual optimization\)")]
+)
+def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, what):
+    with pytest.raises(Exception, match=rf"rank \d: {what} is nan in round"):
+        _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), model(), limit_val_batches=0)
 
 
 @pytest.mark.parametrize(

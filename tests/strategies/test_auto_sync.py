@@ -4,6 +4,7 @@ decisions and rollback, resume in the saved mode, bad input."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from _models import (
     ConstantGradModel,
+    ManualNaNModel,
     NaNInAsyncModel,
     RecordSteps,
     RecordWarnings,
@@ -58,6 +60,7 @@ class Final(Callback):
                 "switches": list(getattr(trainer.strategy, "switches", [])),
                 "decisions": next((c.decisions for c in trainer.callbacks if isinstance(c, SyncSwitcher)), []),
                 "seen": next((c.seen for c in trainer.callbacks if isinstance(c, RandomSwitches)), []),
+                "diverged": getattr(trainer.strategy, "diverged", None),
             },
             Path(self.out) / f"rank{trainer.global_rank}.pt",
         )
@@ -151,6 +154,18 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
         assert torch.isfinite(r["final"]).all()
         torch.testing.assert_close(r["final"], ranks[0]["final"], rtol=0, atol=0)
         assert r["decisions"] == ranks[0]["decisions"]  # one decision per window, the same on every rank
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("local_steps", [1, 2])
+def test_a_nan_under_manual_optimization_is_held_back_in_async_mode(tmp_path, local_steps):
+    # Lightning's closure returns no loss under manual optimization: the gradients are checked in its place, and a
+    # non-finite one is dropped (rank 0 from step 2 on), so no replica ever holds a NaN.
+    strategy = AutoSyncStrategy(mode="async", local_steps=local_steps, switcher=False, start_method="fork")
+    ranks, _ = _fit(tmp_path, strategy, ManualNaNModel(at=2, rank=0), steps=6)
+    assert all(bool(torch.isfinite(r["final"]).all()) for r in ranks)
+    assert ranks[0]["diverged"] is not None and not math.isfinite(ranks[0]["diverged"])
+    assert ranks[1]["diverged"] is None
 
 
 @pytest.mark.timeout(240)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,10 @@ from lightning_syncasync.bench.gpu import (
 )
 from lightning_syncasync.bench.gpu import main as gpu_main
 from lightning_syncasync.strategies import pack_strategy_names
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[2]
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="1" skipped="1" tests="3">
@@ -81,7 +87,7 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path, tiny_demo):
 
     assert _positive(summary["bandwidth_gbps"]) and summary["bandwidth"]["bytes_copied"] == 4 * 100_000 * 4
     # int8 twice: with the CPU's default codec (eager) and fused, the comparison the GPU run shows the other way.
-    assert list(summary["compression"]) == ["int8", "int8+compiled", *DEFAULT_METHODS[1:]]
+    assert list(summary["compression"]) == ["int8", *DEFAULT_METHODS[1:], "int8+compiled"]  # the order measured
     assert summary["compression"]["int8"]["codec"] == "eager"
     assert summary["compression"]["int8+compiled"]["codec"] == "compiled"
     for method, rec in summary["compression"].items():
@@ -92,6 +98,10 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path, tiny_demo):
         if method in ("int8", "int8+compiled", "int4", "sign"):  # the chunked codecs, also timed without feedback
             assert _positive(rec["gbps_without_error_feedback"]), method
             assert rec["encode_s_without_error_feedback"] > 0, method
+            # The fused bound: 16 + 2c bytes per element with error feedback, 12 + 2c without (c: bytes of codes).
+            code = {"int8": 1.0, "int4": 0.5, "sign": 0.125}[method.partition("+")[0]]
+            assert rec["share_of_bound"] == pytest.approx(rec["fraction_of_bandwidth"] / (4 / (16 + 2 * code)))
+            assert rec["bound_fraction_without_error_feedback"] == pytest.approx(4 / (12 + 2 * code))
 
     rates = summary["steps_per_s"]
     assert list(rates) == [BASELINE, MONITORED, "hier_sync"]
@@ -179,3 +189,32 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, args, message):
         run_main(gpu_main, ["--device", "cpu", *args, "--out", str(tmp_path / "x.json")])
     assert err.value.code == 2 and message in str(err.value) and "HINT" in str(err.value)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_check_shares_its_test_time_out_per_file(pytester, monkeypatch):
+    # tests/gpu/_budget.py, wired as tests/gpu/conftest.py wires it, on two files of quick tests: a deadline in the
+    # past skips every test, saying why; one far off runs them all; no deadline (a plain pytest) runs them all.
+    import time
+
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    try:
+        from _budget import DEADLINE_ENV, file_deadline
+    finally:
+        sys.path.pop(0)
+    pytester.makeconftest(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'tests' / 'gpu')!r})\nfrom _budget import skip_past_share\n\n"
+        "def pytest_runtest_setup(item):\n    skip_past_share(item)\n"
+    )
+    pytester.makepyfile(test_a="def test_1(): pass\ndef test_2(): pass\n", test_b="def test_3(): pass\n")
+    monkeypatch.setenv(DEADLINE_ENV, str(time.time() - 1))
+    past = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider")
+    past.assert_outcomes(skipped=3)
+    past.stdout.fnmatch_lines(["*not run: SYNCASYNC_GPU_CHECK_DEADLINE shares*test_a.py's share ran out*"])
+    monkeypatch.setenv(DEADLINE_ENV, str(time.time() + 3600))
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
+    monkeypatch.delenv(DEADLINE_ENV)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
+    # A file's share: the time left times its part of the tests left; what a file leaves goes to those after it.
+    assert file_deadline(100.0, 190.0, 2, 3) == pytest.approx(160.0)
+    assert file_deadline(150.0, 190.0, 1, 1) == pytest.approx(190.0)
+    assert file_deadline(200.0, 190.0, 1, 1) == pytest.approx(200.0)  # past the deadline: no time at all

@@ -115,7 +115,7 @@ def decode(method: str, payload: torch.Tensor, row_len: int, chunk: int) -> torc
     rows = payload.shape[0]
     nbytes = code_bytes(method, row_len)
     codes = payload[:, :nbytes]
-    scale = payload[:, nbytes:].contiguous().view(torch.float32).view(rows, -1, 1)
+    scale = _scales(payload, nbytes).view(rows, -1, 1)
     if method == "int8":
         q = codes.contiguous().view(torch.int8).float()
     elif method == "int4":
@@ -124,6 +124,13 @@ def decode(method: str, payload: torch.Tensor, row_len: int, chunk: int) -> torc
         bits = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=payload.device)
         q = torch.where((codes.reshape(rows, -1, 1) & bits).ne(0), 1.0, -1.0).reshape(rows, row_len)
     return (q.view(rows, -1, chunk) * scale).reshape(rows, row_len)
+
+
+def _scales(payload: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The fp32 scales after each row's ``nbytes`` of codes. Copied, not ``.contiguous()``: the slice of a single row
+    is contiguous already and keeps its storage offset, which a view as fp32 needs to be a multiple of 4 (``sign`` with
+    a ``chunk_size`` not a multiple of 32 has ``row_len / 8`` bytes of codes)."""
+    return payload[:, nbytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
 def decode_mean(method: str, payload: torch.Tensor, row_len: int, chunk: int) -> torch.Tensor:
@@ -251,9 +258,7 @@ def _disagreement(method: str, got: object, expected: object, row_len: int) -> s
         if a.dtype == torch.uint8:
             nbytes = code_bytes(method, row_len)
             parts = [(a[:, :nbytes], b[:, :nbytes])]
-            parts.append(
-                (a[:, nbytes:].contiguous().view(torch.float32), b[:, nbytes:].contiguous().view(torch.float32))
-            )
+            parts.append((_scales(a, nbytes), _scales(b, nbytes)))
         else:
             parts = [(a, b)]
         wrong, total = 0, 0

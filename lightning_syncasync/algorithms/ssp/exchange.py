@@ -88,6 +88,17 @@ def loss_total(loss: torch.Tensor) -> torch.Tensor:
     return (loss if loss.numel() == 1 else loss.sum()).detach().float().reshape(())
 
 
+def grads_total(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The gradients of ``params`` as one 0-d fp32 sum (as :func:`loss_total`), on their device; ``None`` when none
+    has a gradient. What stands for the loss under manual optimization, where Lightning's closure returns no loss
+    (the step's backward ran in ``training_step``). A sharded parameter's (a DTensor's) is this rank's shard's."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor (not imported: 0.8 s)
+    return torch.stack([g.detach().float().sum() for g in local]).sum()
+
+
 @dataclass
 class SSPStats:
     """Recorded staleness figures (also fed to the ``StatsRecorder``)."""
@@ -203,6 +214,10 @@ class SSPExchange:
         self._outbox_checks: list[tuple[int, int, list[float], torch.Tensor]] = []
         self._nonfinite: list[tuple[int, float]] = []
         self._read = 0
+        # Between a step's gate (begin_step) and its ship: the gate runs before the step's first forward, which under
+        # gradient accumulation or manual optimization comes before the optimizer call that ships.
+        self._gated = False
+        self.read_weights: torch.Tensor | None = None  # begin_step(keep_read=True): the weights the step reads
         # Gradients received but short of the quorum, and the server updates formed but not applied yet.
         self._acc = torch.zeros(self.numel, device=self.device)
         self._acc_lrs = torch.zeros(num_lrs, dtype=torch.float64, device="cpu")
@@ -255,9 +270,16 @@ class SSPExchange:
     def flat(self) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1).float() for t in self.tensors])
 
-    def begin_step(self, apply: ApplyFn) -> None:
+    @property
+    def gated(self) -> bool:
+        """This step has passed its gate (:meth:`begin_step`) and not shipped yet (:meth:`ship`)."""
+        return self._gated
+
+    def begin_step(self, apply: ApplyFn, keep_read: bool = False) -> None:
         """Wait at the SSP gate, then apply the server updates that arrived. Records the clock gap of the step about
-        to run and remembers which server update its gradient will be computed on."""
+        to run and remembers which server update its gradient will be computed on; ``keep_read`` also keeps a copy
+        of the weights themselves (``read_weights``, for a delay compensation's ``w_now - w_read``). Call it before
+        the step's first forward."""
         start = time.perf_counter()
         with self._cond:
             while True:
@@ -278,6 +300,8 @@ class SSPExchange:
             self.recorder.record_wait(waited)
         self.apply_ready(apply)
         self._read = self.applied
+        self.read_weights = self.flat() if keep_read else None
+        self._gated = True
         self.stats.clock_gaps.append(gap)
         if self.recorder is not None:
             self.recorder.record_clock_gap(gap)
@@ -335,6 +359,8 @@ class SSPExchange:
                 self._outbox_lrs += torch.tensor(list(lrs), dtype=torch.float64, device="cpu")
                 self._outbox_reads.append(self._read)
             self.clock += 1
+            self._gated = False
+            self.read_weights = None
             self._cond.notify_all()
 
     def pop_nonfinite(self) -> list[tuple[int, float]]:

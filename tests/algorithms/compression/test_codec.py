@@ -267,3 +267,15 @@ def test_a_few_codes_flipped_at_rounding_boundaries_are_allowed_in_small_tensors
         flipped = payload.clone()
         flipped[0, :flips] ^= 1
         assert (_codec._disagreement("int8", (flipped, kept), (payload, kept), row_len) is None) == agree, flips
+
+
+@pytest.mark.parametrize("numel", [8, 24, 40, 72])
+def test_sign_decodes_a_single_row_whose_codes_are_not_a_multiple_of_4_bytes(one_rank_group, numel):
+    # chunk_size 8: a row of `numel` elements has numel / 8 bytes of codes before its scales. A single row's slice is
+    # contiguous and kept its odd storage offset, which a view as fp32 refused ("storage_offset() must be divisible
+    # by 4"): every size here but multiples of 32 failed.
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    mean, _ = Compressor("sign", chunk_size=8, codec="eager").allreduce(grad, None, "g")
+    chunks = grad.view(-1, 8)
+    want = torch.where(chunks >= 0, 1.0, -1.0) * chunks.abs().mean(dim=1, keepdim=True)
+    torch.testing.assert_close(mean, want.reshape(-1))
