@@ -100,6 +100,22 @@ class ManualNaNModel(TinyModel):
         return loss
 
 
+class NaNFirstMicroBatchModel(TinyModel):
+    """TinyModel whose loss is NaN in the first micro-batch of each pair from step ``at`` on (on ``rank`` only, if
+    given). With ``accumulate_grad_batches=2`` the closure's loss, the last micro-batch's, stays finite: divergence
+    detection must read the accumulated gradients."""
+
+    def __init__(self, at: int = 2, rank: int | None = None) -> None:
+        super().__init__()
+        self.at, self.rank = at, rank
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0 and self.global_step >= self.at and self.rank in (None, self.global_rank):
+            return loss * float("nan")
+        return loss
+
+
 class ManualTwoOptimizersModel(TinyModel):
     """Manual optimisation with two optimizers (one per layer) and manual gradient clipping."""
 

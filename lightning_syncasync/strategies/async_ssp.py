@@ -72,6 +72,38 @@ class DivergenceError(RuntimeError):
     """The loss became NaN/inf under asynchronous training."""
 
 
+# What a step's finiteness check reads (what_is_checked), also named in its error.
+LOSS = "loss"
+MANUAL = "the gradients' sum (manual optimization)"
+ACCUMULATED = "the loss or the gradients' sum (gradient accumulation)"
+
+
+def what_is_checked(module: pl.LightningModule | None) -> str:
+    """What the async modes check for a NaN before a step's gradient can leave the rank: the loss of Lightning's
+    closure; under manual optimization, which returns none (the backward ran in ``training_step``), the gradients;
+    under gradient accumulation the loss and the gradients, since the closure's loss is the last micro-batch's only
+    while the gradients hold every micro-batch's."""
+    if module is None:
+        return LOSS
+    if not module.automatic_optimization:
+        return MANUAL
+    trainer = module._trainer
+    return ACCUMULATED if trainer is not None and trainer.accumulate_grad_batches > 1 else LOSS
+
+
+def checked_value(loss: Any, grads: Callable[[], torch.Tensor | None], what: str) -> torch.Tensor | None:
+    """The 0-d fp32 value whose finiteness stands for the step's (:func:`loss_total`), for :func:`what_is_checked`'s
+    ``what``; ``grads`` gives the gradients' sum, called only when needed. ``None``: nothing to check."""
+    if what == MANUAL or not isinstance(loss, torch.Tensor):
+        return grads()
+    total = loss_total(loss.detach())
+    if what == ACCUMULATED:
+        summed = grads()
+        if summed is not None:
+            total = total + summed
+    return total
+
+
 class LocalReduceWhileAsync:
     """Strategy mixin: while an ``exchange`` runs, ``reduce`` inside ``training_step`` returns the rank's own value.
     Ranks are at different steps there, and a collective would put them back in lockstep (module docstring)."""
@@ -89,7 +121,8 @@ class LocalReduceWhileAsync:
             ex, compensator, apply = self.exchange, self._compensator, self._apply
             if ex is not None and compensator is not None and apply is not None:
                 # Per-step SSP: the gate before the step's first forward (ssp_gate), once per step.
-                ssp_gate(ex, compensator, apply, self.global_rank, self._on_nonfinite())  # type: ignore[attr-defined]
+                what = what_is_checked(self.lightning_module)  # type: ignore[attr-defined]
+                ssp_gate(ex, compensator, apply, self.global_rank, self._on_nonfinite(), what)  # type: ignore[attr-defined]
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._in_training_step = False
@@ -473,7 +506,8 @@ class AsyncSSPStrategy(
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.rounds is not None:
             # A local step on fresh gradients of this replica, with its own optimizer; then the round's bookkeeping.
-            checked = finite_closure(closure, self.global_rank, self.rounds, self._params)
+            what = what_is_checked(self.lightning_module)
+            checked = finite_closure(closure, self.global_rank, self.rounds, self._params, what)
             out = super().optimizer_step(optimizer, checked, model, **kwargs)
             with as_divergence(self.global_rank):
                 self.rounds.after_step()
@@ -485,6 +519,7 @@ class AsyncSSPStrategy(
         return ssp_optimizer_step(
             ex, self._compensator, self._apply, optimizer, self.global_rank, closure,
             lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
+            what=what_is_checked(self.lightning_module),
         )  # fmt: skip
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
@@ -581,12 +616,15 @@ def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
 
 
 def finite_closure(
-    closure: Callable[[], Any], rank: int, rounds: RoundExchange | None, params: Sequence[torch.Tensor]
+    closure: Callable[[], Any],
+    rank: int,
+    rounds: RoundExchange | None,
+    params: Sequence[torch.Tensor],
+    what: str = LOSS,
 ) -> Callable[[], Any]:
     """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
-    replica's next round would carry the NaN into every other replica. Under manual optimization Lightning's closure
-    returns no loss (the step's backward ran in ``training_step``), so the gradients of ``params`` are checked in its
-    place (:func:`grads_total`).
+    replica's next round would carry the NaN into every other replica. ``what`` (:func:`what_is_checked`): under
+    manual optimization or gradient accumulation the gradients of ``params`` are checked too (:func:`grads_total`).
 
     On a GPU (any device but the CPU: accelerators run ahead of the host), reading the check back every step would
     be a host sync per step; there the losses are summed on the device over the round
@@ -595,28 +633,22 @@ def finite_closure(
 
     def wrapped() -> Any:
         loss = closure()
-        value = loss.detach() if isinstance(loss, torch.Tensor) else grads_total(params)
+        value = checked_value(loss, lambda: grads_total(params), what)
         if value is None:
             return loss
         if value.device.type != "cpu" and rounds is not None:
             rounds.note_loss(value)
             return loss
-        total = loss_total(value)
-        if not math.isfinite(total.item()):
+        if not math.isfinite(value.item()):
             where = f"round {rounds.launched}" if rounds is not None else "a step"
             raise DivergenceError(
-                f"rank {rank}: {_checked(loss)} is {total.item()} in {where} under async training; stopped before "
-                "this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher to "
-                "fall back to synchronous training"
+                f"rank {rank}: {what} is {value.item()} in {where} under async training; stopped before this "
+                "replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher to fall "
+                "back to synchronous training"
             )
         return loss
 
     return wrapped
-
-
-def _checked(loss: Any) -> str:
-    """What the finiteness check read: the loss, or under manual optimization the gradients."""
-    return "loss" if isinstance(loss, torch.Tensor) else "the gradients' sum (manual optimization)"
 
 
 @contextmanager
@@ -627,8 +659,8 @@ def as_divergence(rank: int) -> Iterator[None]:
         yield
     except NonFiniteRoundError as err:
         raise DivergenceError(
-            f"rank {rank}: a loss (under manual optimization, a gradient) was not finite (nan or inf) in round "
-            f"{err.index} under async training; stopped "
+            f"rank {rank}: a loss or a gradient was not finite (nan or inf) in round {err.index} under async "
+            "training; stopped "
             "before this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher "
             "to fall back to synchronous training"
         ) from err
@@ -699,6 +731,7 @@ def ssp_optimizer_step(
     closure: Callable[[], Any],
     run_step: Callable[[Callable[[], Any]], Any],
     on_nonfinite: Callable[[float], None] | None = None,
+    what: str = LOSS,
 ) -> Any:
     """One step under SSP (also ``auto_sync``'s async mode): the gate, the server updates that arrived, the closure
     (forward and backward on this replica), the compensation of the stale gradient, and the gradient shipped.
@@ -709,12 +742,13 @@ def ssp_optimizer_step(
     rank; with ``on_nonfinite`` it is reported there instead and this step's gradient is dropped, so a policy can
     restore a good state without the NaN having reached any replica.
 
-    On the CPU the loss is checked here, at once. On an accelerator reading it back would be a host sync per step, so
+    ``what`` (:func:`what_is_checked`): the loss, or with it or in its place the gradient. On the CPU that is
+    checked here, at once. On an accelerator reading it back would be a host sync per step, so
     the gradient is zeroed on the device when the loss is not finite, and the exchange's thread reads the loss when
     the gradient's round starts and drops it from the round (``SSPExchange.ship``); the error (or ``on_nonfinite``)
     comes at the next step or cut (:func:`report_nonfinite`), still before the NaN reached any replica.
     """
-    ssp_gate(ex, compensator, apply, rank, on_nonfinite)  # passed already when training_step ran first (the rule)
+    ssp_gate(ex, compensator, apply, rank, on_nonfinite, what)  # passed already when training_step ran (the rule)
     params = ex.tensors
     read = ex.read_weights
     taken: dict[str, torch.Tensor] = {}
@@ -725,12 +759,12 @@ def ssp_optimizer_step(
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
         )
-        # Manual optimization: Lightning's closure returns no loss, so the gradient itself is checked.
-        total = loss_total(loss.detach() if isinstance(loss, torch.Tensor) else flat)
+        total = checked_value(loss, lambda: loss_total(flat), what)
+        assert total is not None  # the gradient is always there to check
         if total.device.type == "cpu":
             if not math.isfinite(total.item()):
                 if on_nonfinite is None:
-                    _raise_nonfinite(rank, total.item(), ex.clock, _checked(loss))
+                    _raise_nonfinite(rank, total.item(), ex.clock, what)
                 bad.append(total.item())
         else:
             # Zeroed before the compensation, whose running statistics a NaN would spoil (SSPExchange.ship checks).
@@ -743,7 +777,8 @@ def ssp_optimizer_step(
 
     out = run_step(wrapped)
     if "grad" not in taken:
-        return out  # the optimizer skipped the closure (e.g. LBFGS's first call): nothing to ship
+        ex.ungate()  # the optimizer skipped the closure: nothing to ship, and the next step passes the gate again
+        return out
     if bad:
         assert on_nonfinite is not None
         on_nonfinite(bad[0])
@@ -766,6 +801,7 @@ def ssp_gate(
     apply: ApplyFn,
     rank: int,
     on_nonfinite: Callable[[float], None] | None = None,
+    what: str = LOSS,
 ) -> None:
     """The start of a per-step SSP step, before its first forward: the gradients the exchange's thread dropped
     (:func:`report_nonfinite`), the SSP gate, the server updates formed so far, and for DC-ASGD a copy of the
@@ -776,20 +812,23 @@ def ssp_gate(
     bound says; from the optimizer call instead, the earlier micro-batches would read weights one update short."""
     if ex.gated:
         return
-    report_nonfinite(ex, rank, on_nonfinite)
+    report_nonfinite(ex, rank, on_nonfinite, what)
     ex.begin_step(apply, keep_read=compensator.needs_delta)
 
 
-def report_nonfinite(ex: SSPExchange, rank: int, on_nonfinite: Callable[[float], None] | None = None) -> None:
+def report_nonfinite(
+    ex: SSPExchange, rank: int, on_nonfinite: Callable[[float], None] | None = None, what: str = LOSS
+) -> None:
     """The gradients ``ex``'s thread dropped for a non-finite loss (on an accelerator: ``ssp_optimizer_step``):
-    :class:`DivergenceError`, or each one to ``on_nonfinite``. Called at every step and after every cut."""
+    :class:`DivergenceError` naming ``what`` was checked, or each one to ``on_nonfinite``. Called at every step and
+    after every cut."""
     for clock, value in ex.pop_nonfinite():
         if on_nonfinite is None:
-            _raise_nonfinite(rank, value, clock)
+            _raise_nonfinite(rank, value, clock, what)
         on_nonfinite(value)
 
 
-def _raise_nonfinite(rank: int, value: float, clock: int, what: str = "loss") -> NoReturn:
+def _raise_nonfinite(rank: int, value: float, clock: int, what: str = LOSS) -> NoReturn:
     raise DivergenceError(
         f"rank {rank}: {what} is {value} at clock {clock} under async training; stopped before the gradient reached "
         "the other replicas. HINT: lower the learning rate or the staleness, or use SyncSwitcher to fall back to "

@@ -52,7 +52,7 @@ from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
-from lightning_syncasync.strategies._sigterm import SigtermScope
+from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
     CutsAtLightningHooks,
@@ -60,6 +60,7 @@ from lightning_syncasync.strategies.async_ssp import (
     as_divergence,
     check_async_fit,
     finite_closure,
+    what_is_checked,
 )
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class ShardedAsyncSSPStrategy(
         self._sigterm = SigtermScope()
         self._cross_group: dist.ProcessGroup | None = None
         self._node_group: dist.ProcessGroup | None = None
+        self._stop_group: dist.ProcessGroup | None = None
 
     @override
     def _make_groups(self, topo: Topology, timeout: timedelta) -> None:
@@ -157,6 +159,9 @@ class ShardedAsyncSSPStrategy(
         # gloo whatever the default backend: the agreement is one host flag per step, and over NCCL it would put a
         # kernel on the GPU and a host sync (reading the flag back) into every step.
         self._node_group = new_subgroups(topo.all_nodes(), timeout=timeout, backend="gloo")
+        # The node's SIGTERM check (strategies/_sigterm.py): its ranks run FSDP2's collectives together at every
+        # step, so they stop together; a group of its own, as the rounds use theirs from their thread.
+        self._stop_group = node_stop_groups(topo, timeout)
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -172,7 +177,7 @@ class ShardedAsyncSSPStrategy(
         assert self.topology is not None
         self._optimizer = check_async_fit(self.optimizers, self.precision_plugin, self.strategy_name)
         self._params = [p for p in module.parameters() if p.requires_grad]  # manual optimization's check
-        self._sigterm.install(trainer)
+        self._sigterm.install(trainer, self._stop_group)
         self.rounds = RoundExchange(
             self._local_shards(),
             self._cross_group,
@@ -195,9 +200,10 @@ class ShardedAsyncSSPStrategy(
         if self.rounds is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # A local step of the node (FSDP inside it) on fresh gradients; then the round's bookkeeping.
-        out = super().optimizer_step(
-            optimizer, finite_closure(closure, self.global_rank, self.rounds, self._params), model, **kwargs
+        checked = finite_closure(
+            closure, self.global_rank, self.rounds, self._params, what_is_checked(self.lightning_module)
         )
+        out = super().optimizer_step(optimizer, checked, model, **kwargs)
         with as_divergence(self.global_rank):
             self.rounds.after_step()
         return out
@@ -226,10 +232,12 @@ class ShardedAsyncSSPStrategy(
 
     @override
     def teardown(self) -> None:
-        if self.rounds is not None:
-            self.rounds.close()
+        try:
+            if self.rounds is not None:
+                self.rounds.close()
+        finally:
             self.rounds = None
-        self._sigterm.undo()
+            self._sigterm.undo()
         super().teardown()
-        destroy_groups(self._node_group)
-        self._node_group = None
+        destroy_groups(self._node_group, self._stop_group)
+        self._node_group = self._stop_group = None

@@ -68,10 +68,12 @@ from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
     LocalReduceWhileAsync,
     check_async_fit,
+    checked_value,
     learning_rates,
     report_nonfinite,
     server_update,
     ssp_optimizer_step,
+    what_is_checked,
 )
 
 log = logging.getLogger(__name__)
@@ -416,7 +418,7 @@ class AutoSyncStrategy(
             out = ssp_optimizer_step(
                 self.exchange, self._compensator, self._apply, optimizer, self.global_rank, closure,
                 lambda wrapped: super(AutoSyncStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
-                on_nonfinite=self._on_nonfinite(),
+                on_nonfinite=self._on_nonfinite(), what=what_is_checked(self.lightning_module),
             )  # fmt: skip
         else:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -481,10 +483,11 @@ class AutoSyncStrategy(
             loss = closure()
             if self._zeroes_on_device():
                 return loss
-            # Manual optimization: Lightning's closure returns no loss (the backward ran in training_step), so the
-            # gradients are checked in its place, on the host (_zeroes_on_device: a sync per step on an accelerator).
-            value = loss.detach() if isinstance(loss, torch.Tensor) else grads_total(self._params)
-            if value is not None and not math.isfinite(total := loss_total(value).item()):
+            # Manual optimization and gradient accumulation check the gradients too (what_is_checked), on the host
+            # (_zeroes_on_device, which checks each micro-batch's loss on the device, needs automatic optimization).
+            what = what_is_checked(self.lightning_module)
+            value = checked_value(loss, lambda: grads_total(self._params), what)
+            if value is not None and not math.isfinite(total := value.item()):
                 self._held_back(total)
                 for p in self._params:
                     p.grad = None

@@ -14,6 +14,7 @@ from _models import (
     EpochLoggedConstantGradModel,
     ManualNaNModel,
     NaNAfterModel,
+    NaNFirstMicroBatchModel,
     ScheduledModel,
     TinyAdamModel,
 )
@@ -163,11 +164,18 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("model", "what"), [(NaNAfterModel, "loss"), (ManualNaNModel, r"the gradients' sum \(manual optimization\)")]
+    ("model", "what", "accumulate"),
+    [
+        (NaNAfterModel, "loss", 1),
+        (ManualNaNModel, r"the gradients' sum \(manual optimization\)", 1),
+        # The closure's loss is the last micro-batch's; the NaN is the first's, in the accumulated gradients.
+        (NaNFirstMicroBatchModel, r"the loss or the gradients' sum \(gradient accumulation\)", 2),
+    ],
 )
-def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, what):
+def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, what, accumulate):
     with pytest.raises(Exception, match=rf"rank \d: {what} is nan in round"):
-        _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), model(), limit_val_batches=0)
+        _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), model(), limit_val_batches=0,
+             accumulate_grad_batches=accumulate)  # fmt: skip
 
 
 @pytest.mark.parametrize(

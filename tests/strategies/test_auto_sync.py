@@ -13,6 +13,7 @@ import torch
 from _models import (
     ConstantGradModel,
     ManualNaNModel,
+    NaNFirstMicroBatchModel,
     NaNInAsyncModel,
     RecordSteps,
     RecordWarnings,
@@ -66,7 +67,7 @@ class Final(Callback):
         )
 
 
-def _fit(out: Path, strategy, model, devices=2, steps=8, callbacks=(), ckpt_path=None, val=False):
+def _fit(out: Path, strategy, model, devices=2, steps=8, callbacks=(), ckpt_path=None, val=False, **trainer_kw):
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, default_root_dir=out,
@@ -74,6 +75,7 @@ def _fit(out: Path, strategy, model, devices=2, steps=8, callbacks=(), ckpt_path
                    *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=2 if val else 0, val_check_interval=4 if val else None,
+        **trainer_kw,
     )  # fmt: skip
     torch.manual_seed(0)
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -158,11 +160,16 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("local_steps", [1, 2])
-def test_a_nan_under_manual_optimization_is_held_back_in_async_mode(tmp_path, local_steps):
-    # Lightning's closure returns no loss under manual optimization: the gradients are checked in its place, and a
-    # non-finite one is dropped (rank 0 from step 2 on), so no replica ever holds a NaN.
+@pytest.mark.parametrize("how", ["manual", "accumulate"])
+def test_a_nan_the_closure_loss_misses_is_held_back_in_async_mode(tmp_path, local_steps, how):
+    # Lightning's closure returns no loss under manual optimization, and only the last micro-batch's under gradient
+    # accumulation: the gradients are checked too, and a non-finite one is dropped (rank 0 from step 2 on), so no
+    # replica ever holds a NaN.
     strategy = AutoSyncStrategy(mode="async", local_steps=local_steps, switcher=False, start_method="fork")
-    ranks, _ = _fit(tmp_path, strategy, ManualNaNModel(at=2, rank=0), steps=6)
+    if how == "manual":
+        ranks, _ = _fit(tmp_path, strategy, ManualNaNModel(at=2, rank=0), steps=6)
+    else:
+        ranks, _ = _fit(tmp_path, strategy, NaNFirstMicroBatchModel(at=2, rank=0), steps=6, accumulate_grad_batches=2)
     assert all(bool(torch.isfinite(r["final"]).all()) for r in ranks)
     assert ranks[0]["diverged"] is not None and not math.isfinite(ranks[0]["diverged"])
     assert ranks[1]["diverged"] is None

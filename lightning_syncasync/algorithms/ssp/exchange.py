@@ -275,6 +275,12 @@ class SSPExchange:
         """This step has passed its gate (:meth:`begin_step`) and not shipped yet (:meth:`ship`)."""
         return self._gated
 
+    def ungate(self) -> None:
+        """Forget a gate passed without a ship to follow (an optimizer that skipped its closure): the next step
+        passes the gate again, on its own weights."""
+        self._gated = False
+        self.read_weights = None
+
     def begin_step(self, apply: ApplyFn, keep_read: bool = False) -> None:
         """Wait at the SSP gate, then apply the server updates that arrived. Records the clock gap of the step about
         to run and remembers which server update its gradient will be computed on; ``keep_read`` also keeps a copy
@@ -408,6 +414,7 @@ class SSPExchange:
         self.clock = int(state["clock"])
         self.known_clocks = [self.clock] * self.world
         self.applied = self._formed = self._read = int(state.get("applied", 0))
+        self.ungate()  # a restored clock starts a step afresh
         if self.compressor is not None and "compression" in state:
             self.compressor.load_state_dict(state["compression"])
 
