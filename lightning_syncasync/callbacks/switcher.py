@@ -226,7 +226,9 @@ class SyncSwitcher(Callback):
         # Taken where every replica holds the same model, so the copy is the same on every rank.
         self._good = {
             "model": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
-            "optimizers": [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers],
+            # On the CPU too, as the model: a copy on the GPU would hold the optimizer's state twice there (Adam: 8 B
+            # per parameter) for the whole fit.
+            "optimizers": [_cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
         }
 
     def _restore(
@@ -266,3 +268,15 @@ class SyncSwitcher(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._policy_state = state_dict.get("policy")
         self.decisions = list(state_dict.get("decisions", []))
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """``obj`` (an optimizer's state dict) with every tensor copied to the CPU; the rest deep-copied. Loading it puts
+    the state back on its parameters' devices (``Optimizer.load_state_dict``)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)

@@ -92,3 +92,37 @@ def test_a_nan_loss_on_the_gpu_stops_async_rounds_before_the_round_leaves_the_ra
     match = "loss is nan in round" if DRY_RUN else r"not finite \(nan or inf\) in round 0"
     with pytest.raises(DivergenceError, match=match):
         trainer.fit(NaNAfterModel())
+
+
+@pytest.mark.timeout(60)
+def test_sync_switchers_good_state_is_kept_on_the_cpu_and_restored_to_the_gpu():
+    # The rollback copy of the optimizer's state was a deep copy on the GPU (Adam's moments twice there for the whole
+    # fit); it is on the CPU, like the model's, and a rollback puts it back on the GPU.
+    from types import SimpleNamespace
+
+    import torch
+    from _gpu import DEVICE
+
+    from lightning_syncasync.callbacks.switcher import SyncSwitcher
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to(DEVICE)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    x = torch.randn(16, 8).to(DEVICE)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+
+    steps(3)
+    switcher, trainer = SyncSwitcher(), SimpleNamespace(optimizers=[opt])
+    switcher._keep_good(trainer, net)  # type: ignore[arg-type]
+    want = [opt.state[p]["exp_avg"].cpu() for p in net.parameters()]
+    kept = switcher._good["optimizers"][0]["state"]  # type: ignore[index]
+    assert {t.device.type for s in kept.values() for t in s.values() if isinstance(t, torch.Tensor)} == {"cpu"}
+    steps(2)
+    switcher._restore(trainer, net, SimpleNamespace(switch_mode=lambda mode, step: None), 5, {"reason": "test"})  # type: ignore[arg-type]
+    for p, w in zip(net.parameters(), want, strict=True):
+        assert opt.state[p]["exp_avg"].device == p.device and torch.equal(opt.state[p]["exp_avg"].cpu(), w)
