@@ -116,6 +116,16 @@ class NaNFirstMicroBatchModel(TinyModel):
         return loss
 
 
+# A NaN for the async modes' check to catch before it leaves the rank: (model, what their error names, Trainer's
+# accumulate_grad_batches). In the closure's loss; only in the gradients (manual optimization: the closure returns no
+# loss); in an earlier micro-batch (the closure's loss is the last one's, the NaN is in the accumulated gradients).
+NAN_CASES = [
+    (NaNAfterModel, "loss", 1),
+    (ManualNaNModel, r"the gradients' sum \(manual optimization\)", 1),
+    (NaNFirstMicroBatchModel, r"the loss or the gradients' sum \(gradient accumulation\)", 2),
+]
+
+
 class ManualTwoOptimizersModel(TinyModel):
     """Manual optimisation with two optimizers (one per layer) and manual gradient clipping."""
 

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from _models import (
+    NAN_CASES,
     ConstantGradModel,
     EpochLoggedConstantGradModel,
-    ManualNaNModel,
-    NaNAfterModel,
-    NaNFirstMicroBatchModel,
     ScheduledModel,
     TinyAdamModel,
 )
@@ -163,15 +161,7 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("model", "what", "accumulate"),
-    [
-        (NaNAfterModel, "loss", 1),
-        (ManualNaNModel, r"the gradients' sum \(manual optimization\)", 1),
-        # The closure's loss is the last micro-batch's; the NaN is the first's, in the accumulated gradients.
-        (NaNFirstMicroBatchModel, r"the loss or the gradients' sum \(gradient accumulation\)", 2),
-    ],
-)
+@pytest.mark.parametrize(("model", "what", "accumulate"), NAN_CASES)
 def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, what, accumulate):
     with pytest.raises(Exception, match=rf"rank \d: {what} is nan in round"):
         _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), model(), limit_val_batches=0,

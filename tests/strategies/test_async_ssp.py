@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import ManualNaNModel, NaNAfterModel, NaNFirstMicroBatchModel, TinyLoggingModel, TinyModel
+from _models import NAN_CASES, ManualNaNModel, TinyLoggingModel, TinyModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -162,15 +162,7 @@ def test_resume_restores_the_merged_model_and_the_clocks(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("model", "what", "accumulate"),
-    [
-        (NaNAfterModel, "loss", 1),
-        (ManualNaNModel, r"the gradients' sum \(manual optimization\)", 1),
-        # The closure's loss is the last micro-batch's; the NaN is the first's, in the accumulated gradients.
-        (NaNFirstMicroBatchModel, r"the loss or the gradients' sum \(gradient accumulation\)", 2),
-    ],
-)
+@pytest.mark.parametrize(("model", "what", "accumulate"), NAN_CASES)
 def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path, model, what, accumulate):
     # Under manual optimization Lightning's closure returns no loss: the gradient is checked in its place.
     strategy = AsyncSSPStrategy(staleness=None, local_steps=1, start_method="fork")
