@@ -41,11 +41,13 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.metadata
 import json
 import logging
 import os
 import platform
 import shlex
+import shutil
 import socket
 import statistics
 import sys
@@ -231,6 +233,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def device_info(device: torch.device) -> dict[str, Any]:
     import lightning
 
@@ -244,6 +253,9 @@ def device_info(device: torch.device) -> dict[str, Any]:
         "lightning": lightning.__version__,
         "lightning_syncasync": lightning_syncasync.__version__,
         "python": platform.python_version(),
+        # What the fused codec needs (Triton builds its launcher with a C compiler): without either, "auto" is eager.
+        "triton": _version("triton"),
+        "c_compiler": shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),
         "hostname": socket.gethostname(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -573,7 +585,7 @@ def format_table(summary: dict[str, Any]) -> str:
     dev = summary["device"]
     lines = [
         f"device: {dev.get('name')} ({summary['settings']['device']}), torch {dev['torch']}, CUDA {dev['cuda']}, "
-        f"{dev['hostname']}, {dev['date_utc']}",
+        f"triton {dev.get('triton')}, C compiler {dev.get('c_compiler')}, {dev['hostname']}, {dev['date_utc']}",
         f"memory bandwidth (copy, read + write): {_fmt(summary.get('bandwidth_gbps'), '.1f')} GB/s",
         "",
         f"{'compression':<13} {'encode ms':>10} {'decode ms':>10} {'GB/s':>9} {'of bandwidth':>13} {'of bound':>9} "

@@ -81,6 +81,7 @@ def test_cpu_smoke_run_writes_a_sane_summary(tmp_path, tiny_demo):
     summary = json.loads(out.read_text())
     dev = summary["device"]
     assert dev["kind"] == "cpu" and dev["torch"] == torch.__version__ and dev["hostname"]
+    assert "triton" in dev and "c_compiler" in dev  # what the fused codec needs, recorded (None where absent)
     assert datetime.datetime.fromisoformat(dev["date_utc"]).tzinfo is not None
     assert summary["settings"]["strategies"] == ["hier_sync"] and summary["settings"]["numel"] == 100_000
     assert summary["settings"]["model"]["d_model"] == tiny_demo["d_model"]  # the size the fits had, recorded
