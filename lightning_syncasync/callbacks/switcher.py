@@ -228,7 +228,7 @@ class SyncSwitcher(Callback):
             "model": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
             # On the CPU too, as the model: a copy on the GPU would hold the optimizer's state twice there (Adam: 8 B
             # per parameter) for the whole fit.
-            "optimizers": [_cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
+            "optimizers": [_state_on_cpu(opt.state_dict()) for opt in trainer.optimizers],
         }
 
     def _restore(
@@ -270,13 +270,16 @@ class SyncSwitcher(Callback):
         self.decisions = list(state_dict.get("decisions", []))
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """``obj`` (an optimizer's state dict) with every tensor copied to the CPU; the rest deep-copied. Loading it puts
-    the state back on its parameters' devices (``Optimizer.load_state_dict``)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
+def _state_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state dict with its per-parameter state copied to the CPU, which ``Optimizer.load_state_dict``
+    casts back to each parameter's device and dtype, and its ``param_groups`` deep-copied as they are: the load takes
+    those unchanged, so a hyper-parameter held as a device tensor (``lr`` of a capturable or fused Adam) must stay
+    there."""
+    return {
+        k: ({p: {n: _cpu(v) for n, v in s.items()} for p, s in value.items()} if k == "state" else copy.deepcopy(value))
+        for k, value in state_dict.items()
+    }
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)

@@ -213,7 +213,8 @@ class CutsAtLightningHooks:
                 _log_rounds(self.rounds)
         elif self.exchange is not None and self.exchange._thread is not None:
             self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
-            report_nonfinite(self.exchange, self.global_rank)  # type: ignore[attr-defined]
+            what = what_is_checked(self.lightning_module)  # type: ignore[attr-defined]
+            report_nonfinite(self.exchange, self.global_rank, None, what)  # type: ignore[attr-defined]
             if stop:
                 _log_staleness(self.exchange)
 

@@ -117,12 +117,16 @@ def test_sync_switchers_good_state_is_kept_on_the_cpu_and_restored_to_the_gpu():
             opt.step()
 
     steps(3)
+    # A hyper-parameter held as a device tensor (a capturable Adam's lr): the load takes param_groups as they are.
+    opt.param_groups[0]["marker"] = torch.ones((), device=DEVICE)
     switcher, trainer = SyncSwitcher(), SimpleNamespace(optimizers=[opt])
     switcher._keep_good(trainer, net)  # type: ignore[arg-type]
     want = [opt.state[p]["exp_avg"].cpu() for p in net.parameters()]
     kept = switcher._good["optimizers"][0]["state"]  # type: ignore[index]
     assert {t.device.type for s in kept.values() for t in s.values() if isinstance(t, torch.Tensor)} == {"cpu"}
+    assert switcher._good["optimizers"][0]["param_groups"][0]["marker"].device.type == torch.device(DEVICE).type  # type: ignore[index]
     steps(2)
     switcher._restore(trainer, net, SimpleNamespace(switch_mode=lambda mode, step: None), 5, {"reason": "test"})  # type: ignore[arg-type]
     for p, w in zip(net.parameters(), want, strict=True):
         assert opt.state[p]["exp_avg"].device == p.device and torch.equal(opt.state[p]["exp_avg"].cpu(), w)
+    assert opt.param_groups[0]["marker"].device.type == torch.device(DEVICE).type
