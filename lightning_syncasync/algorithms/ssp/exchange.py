@@ -90,8 +90,9 @@ def loss_total(loss: torch.Tensor) -> torch.Tensor:
 
 def grads_total(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The gradients of ``params`` as one 0-d fp32 sum (as :func:`loss_total`), on their device; ``None`` when none
-    has a gradient. What stands for the loss under manual optimization, where Lightning's closure returns no loss
-    (the step's backward ran in ``training_step``). A sharded parameter's (a DTensor's) is this rank's shard's."""
+    has a gradient. The strategies check it in place of the loss under manual optimization, where Lightning's closure
+    returns no loss (the step's backward ran in ``training_step``), and with it under gradient accumulation, where
+    the closure's loss is the last micro-batch's only. A sharded parameter's (a DTensor's) is this rank's shard's."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
