@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_syncasync.algorithms.switch_policy import (
@@ -225,7 +226,7 @@ class SyncSwitcher(Callback):
     def _keep_good(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Taken where every replica holds the same model, so the copy is the same on every rank.
         self._good = {
-            "model": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+            "model": {k: _on_cpu(v) for k, v in pl_module.state_dict().items()},
             # On the CPU too, as the model: a copy on the GPU would hold the optimizer's state twice there (Adam: 8 B
             # per parameter) for the whole fit.
             "optimizers": [_state_on_cpu(opt.state_dict()) for opt in trainer.optimizers],
@@ -275,11 +276,10 @@ def _state_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
     casts back to each parameter's device and dtype, and its ``param_groups`` deep-copied as they are: the load takes
     those unchanged, so a hyper-parameter held as a device tensor (``lr`` of a capturable or fused Adam) must stay
     there."""
-    return {
-        k: ({p: {n: _cpu(v) for n, v in s.items()} for p, s in value.items()} if k == "state" else copy.deepcopy(value))
-        for k, value in state_dict.items()
-    }
+    rest = copy.deepcopy({k: v for k, v in state_dict.items() if k != "state"})
+    return {**rest, "state": apply_to_collection(state_dict["state"], torch.Tensor, _on_cpu)}
 
 
-def _cpu(value: Any) -> Any:
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the CPU, made once (``.cpu().clone()`` copies a GPU tensor twice)."""
+    return tensor.detach().to("cpu", copy=True)

@@ -119,7 +119,7 @@ class LocalReduceWhileAsync:
         self._in_training_step = True
         try:
             ex, compensator, apply = self.exchange, self._compensator, self._apply
-            if ex is not None and compensator is not None and apply is not None:
+            if ex is not None and compensator is not None and apply is not None and not ex.gated:
                 # Per-step SSP: the gate before the step's first forward (ssp_gate), once per step.
                 what = what_is_checked(self.lightning_module)  # type: ignore[attr-defined]
                 ssp_gate(ex, compensator, apply, self.global_rank, self._on_nonfinite(), what)  # type: ignore[attr-defined]
