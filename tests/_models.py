@@ -121,8 +121,8 @@ class NaNFirstMicroBatchModel(TinyModel):
 # loss); in an earlier micro-batch (the closure's loss is the last one's, the NaN is in the accumulated gradients).
 NAN_CASES = [
     (NaNAfterModel, "loss", 1),
-    (ManualNaNModel, r"the gradients' sum \(manual optimization\)", 1),
-    (NaNFirstMicroBatchModel, r"the loss or the gradients' sum \(gradient accumulation\)", 2),
+    (ManualNaNModel, r"the gradients' L1 norm \(manual optimization\)", 1),
+    (NaNFirstMicroBatchModel, r"the loss or the gradients' L1 norm \(gradient accumulation\)", 2),
 ]
 
 

@@ -74,8 +74,8 @@ class DivergenceError(RuntimeError):
 
 # What a step's finiteness check reads (what_is_checked), also named in its error.
 LOSS = "loss"
-MANUAL = "the gradients' sum (manual optimization)"
-ACCUMULATED = "the loss or the gradients' sum (gradient accumulation)"
+MANUAL = "the gradients' L1 norm (manual optimization)"
+ACCUMULATED = "the loss or the gradients' L1 norm (gradient accumulation)"
 
 
 def what_is_checked(module: pl.LightningModule | None) -> str:
@@ -93,7 +93,7 @@ def what_is_checked(module: pl.LightningModule | None) -> str:
 
 def checked_value(loss: Any, grads: Callable[[], torch.Tensor | None], what: str) -> torch.Tensor | None:
     """The 0-d fp32 value whose finiteness stands for the step's (:func:`loss_total`), for :func:`what_is_checked`'s
-    ``what``; ``grads`` gives the gradients' sum, called only when needed. ``None``: nothing to check."""
+    ``what``; ``grads`` gives the gradients' L1 norm, called only when needed. ``None``: nothing to check."""
     if what == MANUAL or not isinstance(loss, torch.Tensor):
         return grads()
     total = loss_total(loss.detach())
