@@ -8,6 +8,24 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_configure(config):
+    """Start autograd's engine here, before any test runs, on a machine without a GPU.
+
+    The engine starts its threads at a process's first backward: one per device that a registered device guard
+    reports then, and when there is any it marks the process's forks as unable to run a backward. On a CUDA build of
+    torch (PyPI's default, also on machines without a GPU) Dynamo's tracing (its fake tensors) leaves a guard that
+    reports a device (seen with torch 2.11 and 2.14.1, not with the CPU build of 2.13): after the compiled-codec
+    tests, the first backward in this process then broke every later ``start_method="fork"`` rank ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"; 76 tests failed). Started now, with no
+    device, the engine never starts device threads in this process, and its forks run backwards as a fresh
+    interpreter would. With a GPU the engine starts a thread for it whatever runs first, so nothing is done there."""
+    import torch
+
+    if not torch.cuda.is_available():
+        weight = torch.ones(1, requires_grad=True)
+        weight.sum().backward()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_environment():
     """Undo what a test leaves in os.environ: Lightning sets MASTER_PORT and PL_GLOBAL_SEED in the process that

@@ -1,10 +1,11 @@
 """Measured FSDP2 collectives: the all-gathers of parameters and reduce-scatters of gradients inside a node.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) issues its collectives itself, where no DDP comm hook can see them.
-An ``FSDPModule`` (torch 2.13) takes a custom all-gather and reduce-scatter (``set_custom_all_gather``,
-``set_custom_reduce_scatter``); these are torch's default ones with the bytes (and, for a blocking call, the time)
-recorded in a :class:`~lightning_syncasync.algorithms.stats.StatsRecorder`. Bytes follow the recorder's convention:
-the tensor handed to each collective (the shard for an all-gather, the whole gradient bucket for a reduce-scatter).
+An ``FSDPModule`` takes a custom all-gather and reduce-scatter (``set_custom_all_gather``,
+``set_custom_reduce_scatter``; in torch 2.11 and 2.13, not in 2.6, where nothing is measured); these are torch's
+default ones with the bytes (and, for a blocking call, the time) recorded in a
+:class:`~lightning_syncasync.algorithms.stats.StatsRecorder`. Bytes follow the recorder's convention: the tensor
+handed to each collective (the shard for an all-gather, the whole gradient bucket for a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -57,31 +58,34 @@ def _waited_s(tensor: torch.Tensor, async_op: bool, start: float) -> float:
     return time.perf_counter() - start
 
 
-class _MeasuredAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
-    def __init__(self, recorder: StatsRecorder, scope: Scope) -> None:
-        super().__init__()
-        self.recorder, self.scope = recorder, scope
+# Defined only where torch has the base classes: subclassing the ``None`` above would fail at import, and with it
+# every strategy of the package on an older torch (seen on torch 2.6).
+if DefaultAllGather is not None:
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        work = super().__call__(output_tensor, input_tensor, group, async_op)
-        # An async all-gather is waited on by FSDP later (prefetching the next unit behind this one's compute): only
-        # its bytes are known here; so for any of them on an accelerator (_waited_s).
-        waited = _waited_s(input_tensor, async_op, start)
-        self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
-        return work
+    class _MeasuredAllGather(DefaultAllGather):  # type: ignore[misc,valid-type]
+        def __init__(self, recorder: StatsRecorder, scope: Scope) -> None:
+            super().__init__()
+            self.recorder, self.scope = recorder, scope
 
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+            # An async all-gather is waited on by FSDP later (prefetching the next unit behind this one's compute): only
+            # its bytes are known here; so for any of them on an accelerator (_waited_s).
+            waited = _waited_s(input_tensor, async_op, start)
+            self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
+            return work
 
-class _MeasuredReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-type]
-    def __init__(self, recorder: StatsRecorder, scope: Scope) -> None:
-        super().__init__()
-        self.recorder, self.scope = recorder, scope
+    class _MeasuredReduceScatter(DefaultReduceScatter):  # type: ignore[misc,valid-type]
+        def __init__(self, recorder: StatsRecorder, scope: Scope) -> None:
+            super().__init__()
+            self.recorder, self.scope = recorder, scope
 
-    def __call__(  # type: ignore[no-untyped-def]
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-    ):
-        start = time.perf_counter()
-        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-        waited = _waited_s(input_tensor, async_op, start)
-        self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
-        return work
+        def __call__(  # type: ignore[no-untyped-def]
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ):
+            start = time.perf_counter()
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            waited = _waited_s(input_tensor, async_op, start)
+            self.recorder.record_blocking(_bytes(input_tensor), self.scope, waited)
+            return work
