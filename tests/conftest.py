@@ -18,10 +18,13 @@ def pytest_configure(config):
     tests, the first backward in this process then broke every later ``start_method="fork"`` rank ("Unable to handle
     autograd's threading in combination with fork-based multiprocessing"; 76 tests failed). Started now, with no
     device, the engine never starts device threads in this process, and its forks run backwards as a fresh
-    interpreter would. With a GPU the engine starts a thread for it whatever runs first, so nothing is done there."""
+    interpreter would. With a GPU the engine starts a thread for it whatever runs first, so nothing is done there;
+    nor under the emulated accelerator (``SYNCASYNC_GPU_TESTS_DEVICE=emugpu``), which the gpu tests install after
+    this and then train on in this process: an engine sized for no device fails its first backward there (an
+    internal assert in torch's engine.cpp)."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and os.environ.get("SYNCASYNC_GPU_TESTS_DEVICE") != "emugpu":
         weight = torch.ones(1, requires_grad=True)
         weight.sum().backward()
 
