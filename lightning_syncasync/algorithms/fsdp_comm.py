@@ -2,7 +2,7 @@
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) issues its collectives itself, where no DDP comm hook can see them.
 An ``FSDPModule`` takes a custom all-gather and reduce-scatter (``set_custom_all_gather``,
-``set_custom_reduce_scatter``; in torch 2.11 and 2.13, not in 2.6, where nothing is measured); these are torch's
+``set_custom_reduce_scatter``; in torch 2.9 and newer, not in 2.6, where nothing is measured); these are torch's
 default ones with the bytes (and, for a blocking call, the time) recorded in a
 :class:`~lightning_syncasync.algorithms.stats.StatsRecorder`. Bytes follow the recorder's convention: the tensor
 handed to each collective (the shard for an all-gather, the whole gradient bucket for a reduce-scatter).
