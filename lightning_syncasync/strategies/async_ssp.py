@@ -760,7 +760,9 @@ def ssp_optimizer_step(
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
         )
-        total = checked_value(loss, lambda: loss_total(flat), what)
+        # The gradients' L1 norm, as grads_total gives it (and the errors name it): one reduction over flat, as its sum
+        # would be.
+        total = checked_value(loss, lambda: torch.linalg.vector_norm(flat, 1), what)
         assert total is not None  # the gradient is always there to check
         if total.device.type == "cpu":
             if not math.isfinite(total.item()):
