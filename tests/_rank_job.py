@@ -72,6 +72,23 @@ class DeviceModel(LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
 
 
+class ManualDeviceModel(DeviceModel):
+    """DeviceModel under manual optimization: the strategy sees the step in ``opt.step()``, inside training_step, and
+    checks the gradients there (what_is_checked), not the loss Lightning is handed."""
+
+    def __init__(self, nan_at: int | None = None, sigterm_at: int | None = None) -> None:
+        super().__init__(nan_at, sigterm_at)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
 class ShardedDeviceModel(DeviceModel):
     """DeviceModel for the sharded strategies: FSDP2 shards each linear layer over the node's ranks (no BatchNorm,
     whose running statistics FSDP2 leaves as plain tensors beside sharded weights)."""
@@ -346,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epoch-steps", type=int, default=None, help="batches per epoch; the fit ends on epochs")
     p.add_argument("--nan-at", type=int, default=None, help="rank 0's loss is NaN at this global step")
     p.add_argument("--sigterm-at", type=int, default=None, help="rank 1 sends itself SIGTERM at this global step")
+    p.add_argument("--manual", action="store_true", help="the model steps its optimizer itself (manual optimization)")
     args = p.parse_args(argv)
     if args.save and args.save_step is None:
         p.error("--save needs --save-step")
@@ -380,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_syncasync.callbacks import AdaptiveBatchSize
 
         callbacks.append(AdaptiveBatchSize(interval=4))
-    model_cls = ShardedDeviceModel if "sharded" in args.strategy else DeviceModel
+    model_cls = ShardedDeviceModel if "sharded" in args.strategy else ManualDeviceModel if args.manual else DeviceModel
     model = model_cls(args.nan_at, args.sigterm_at)
     accelerator: Any = args.accelerator
     if accelerator == "emugpu":  # an accelerator emulated on the CPU (tests/_emulated_device.py)

@@ -61,6 +61,7 @@ class RankJob:
         epoch_steps: int | None = None,
         nan_at: int | None = None,
         sigterm_at: int | None = None,
+        manual: bool = False,
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.strategy, self.accelerator, self.ranks = out, strategy, accelerator, ranks
@@ -90,6 +91,7 @@ class RankJob:
             cmd += ["--epoch-steps", str(epoch_steps)] if epoch_steps is not None else []
             cmd += ["--nan-at", str(nan_at)] if nan_at is not None else []
             cmd += ["--sigterm-at", str(sigterm_at)] if sigterm_at is not None else []
+            cmd += ["--manual"] if manual else []
             if accelerator in ("cpu", "emugpu"):
                 self.procs.append(ForkedProcess(JOB, cmd, rank_env, out / f"rank{rank}.log"))
                 continue

@@ -408,7 +408,7 @@ class AutoSyncStrategy(
         last = not self.optimizers or unwrap_optimizer(optimizer) is unwrap_optimizer(self.optimizers[-1])
         if self.mode == "async" and self.rounds is not None:
             out = super().optimizer_step(optimizer, self._finite_or_held_back(closure), model, **kwargs)
-            if self._step_ok is not None:  # on an accelerator: counted on the device (training_step)
+            if self._step_ok is not None:  # on an accelerator: counted on the device (training_step, wrapped)
                 bad = (~self._step_ok).int()
                 self._zeroed_steps = bad if self._zeroed_steps is None else self._zeroed_steps + bad
                 self._step_ok = None
@@ -473,9 +473,10 @@ class AutoSyncStrategy(
         """Async rounds: a non-finite loss drops this step's gradients (the optimizer then skips every parameter),
         so the NaN never reaches the replica or a round, and the switcher reads ``diverged``.
 
-        On an accelerator (under DDP) reading the loss back at every step would be a host sync per step. There
-        ``training_step`` checks the loss on the device, DDP's hook zeroes the step's gradients when it is not finite
-        (the optimizer then takes a step on zero gradients: with momentum or Adam, the moments' decay moves the
+        On an accelerator reading the loss back at every step would be a host sync per step. There the check stays
+        on the device: under DDP with automatic optimization ``training_step`` checks the loss and DDP's hook zeroes
+        the step's gradients when it is not finite; otherwise (manual optimization, no DDP) the closure zeroes them
+        itself. The optimizer then takes a step on zero gradients (with momentum or Adam the moments' decay moves the
         weights a little, with no NaN), and ``diverged`` reads the count once per switcher window, whose rollback
         restores the last good state."""
 
@@ -483,11 +484,21 @@ class AutoSyncStrategy(
             loss = closure()
             if self._zeroes_on_device():
                 return loss
-            # Manual optimization and gradient accumulation check the gradients too (what_is_checked), on the host
-            # (_zeroes_on_device, which checks each micro-batch's loss on the device, needs automatic optimization).
+            # Manual optimization and gradient accumulation check the gradients too (what_is_checked):
+            # _zeroes_on_device, which checks each micro-batch's loss before DDP's hook, needs automatic optimization.
             what = what_is_checked(self.lightning_module)
             value = checked_value(loss, lambda: grads_total(self._params), what)
-            if value is not None and not math.isfinite(total := value.item()):
+            if value is None:
+                return loss
+            if value.device.type != "cpu":
+                # On an accelerator, zeroed here on the device, as DDP's hook does for _zeroes_on_device: no host sync
+                # per step (the optimizer then steps on zero gradients); optimizer_step counts the step for diverged.
+                ok = torch.isfinite(value)
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.masked_fill_(~ok, 0.0)
+                self._step_ok = ok if self._step_ok is None else self._step_ok & ok
+            elif not math.isfinite(total := value.item()):
                 self._held_back(total)
                 for p in self._params:
                     p.grad = None

@@ -131,12 +131,17 @@ def test_a_nan_loss_in_per_step_ssp_on_the_gpu_stops_the_run_before_its_gradient
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["auto_sync_async_per_step", "auto_sync_async_rounds"])
-def test_a_nan_loss_in_auto_sync_async_on_the_gpu_is_held_back(tmp_path, case):
+@pytest.mark.parametrize(
+    "case, manual",
+    [("auto_sync_async_per_step", False), ("auto_sync_async_rounds", False), ("auto_sync_async_rounds", True)],
+    ids=["auto_sync_async_per_step", "auto_sync_async_rounds", "auto_sync_async_rounds_manual"],
+)
+def test_a_nan_loss_in_auto_sync_async_on_the_gpu_is_held_back(tmp_path, case, manual):
     # No switcher here to roll back: the NaN must never have reached a replica, and rank 0 reports it; finding it
-    # took no host sync in every step.
+    # took no host sync in every step. Under manual optimization the strategy checks the gradients when the model
+    # steps its optimizer (no DDP hook sees that step's flag), on the device too.
     name, options = PER_STEP_ASYNC[case]
-    ranks = RankJob(tmp_path, name, ACCELERATOR, options, steps=STEPS, nan_at=4).wait()
+    ranks = RankJob(tmp_path, name, ACCELERATOR, options, steps=STEPS, nan_at=4, manual=manual).wait()
     assert ranks[0]["diverged"] is not None and ranks[1]["diverged"] is None
     for rank in ranks:
         assert all(torch.isfinite(v).all() for v in rank["state"].values() if v.is_floating_point())
