@@ -21,7 +21,17 @@ def pytest_configure(config):
     interpreter would. With a GPU the engine starts a thread for it whatever runs first, so nothing is done there;
     nor under the emulated accelerator (``SYNCASYNC_GPU_TESTS_DEVICE=emugpu``), which the gpu tests install after
     this and then train on in this process: an engine sized for no device fails its first backward there (an
-    internal assert in torch's engine.cpp)."""
+    internal assert in torch's engine.cpp).
+
+    On a machine with a GPU, a run that selects CPU tests first hides the GPU from this process
+    (``tests/_gpu_hiding.py``): its forked ranks would fail otherwise, whatever ran first; the engine is then started
+    here as on a machine without one."""
+    from pathlib import Path
+
+    from _gpu_hiding import hide_gpu_for_cpu_tests, marker_names
+
+    markers = marker_names(config.getini("markers"))
+    hide_gpu_for_cpu_tests(config.getoption("markexpr") or "", config.args, Path(str(config.rootpath)), markers)
     import torch
 
     if not torch.cuda.is_available() and os.environ.get("SYNCASYNC_GPU_TESTS_DEVICE") != "emugpu":

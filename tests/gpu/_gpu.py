@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from _gpu_hiding import HIDDEN, HIDDEN_REASON
 
 DEVICE = os.environ.get("SYNCASYNC_GPU_TESTS_DEVICE", "cuda")
 if DEVICE not in ("cuda", "emugpu", "cpu"):
@@ -32,11 +33,13 @@ if EMULATED:
 
     install()  # tensors .to("emugpu") in the tests themselves
 
+# A run that also selects CPU tests hides the GPU (tests/_gpu_hiding.py): the reasons say so, and how to run these.
+_HIDDEN = f"; {HIDDEN_REASON}" if os.environ.get(HIDDEN) == "1" else ""
 needs_gpu = pytest.mark.skipif(
     CUDA and not torch.cuda.is_available(),
-    reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on one)",
+    reason=f"needs a CUDA GPU (scripts/gpu_check.sh runs these on one){_HIDDEN}",
 )
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA itself (streams, events)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs CUDA itself (streams, events){_HIDDEN}")
 
 
 def lightning_accelerator() -> object:
