@@ -21,21 +21,23 @@ their paths) and are left alone.
 from __future__ import annotations
 
 import itertools
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-# Set by hide_gpu_for_cpu_tests in the pytest process (and so in what it starts): the gpu tests' skip reason says it.
+# Set by hide_gpu_for_cpu_tests in the pytest process (and so in what it starts) to CUDA_VISIBLE_DEVICES's value
+# before (JSON: null when unset): the gpu tests' skip reason says the GPU is hidden, and gpu_environment undoes it.
 HIDDEN = "SYNCASYNC_TESTS_GPU_HIDDEN"
 # Tells gpu_reported that a GPU is there: the test of this module's wiring on machines without one.
 ASSUME_GPU = "SYNCASYNC_TESTS_ASSUME_GPU"
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 HIDDEN_REASON = (
     "the GPU is hidden from a pytest run that also selects CPU tests (their forked ranks cannot run a backward once "
-    "autograd has a thread for a GPU: tests/_gpu_hiding.py); run these alone with `pytest -m gpu tests/gpu` or "
-    "scripts/gpu_check.sh"
+    "autograd has a thread for a GPU: tests/_gpu_hiding.py); tests/test_gpu_hiding.py runs tests/gpu in a child "
+    "pytest that sees it, as `pytest -m gpu tests/gpu` and scripts/gpu_check.sh do"
 )
 
 
@@ -81,6 +83,20 @@ def hide_gpu_for_cpu_tests(markexpr: str, args: Sequence[str], rootdir: Path, ma
     did."""
     if not (selects_cpu_tests(markexpr, args, rootdir, markers) and gpu_reported()):
         return False
+    os.environ[HIDDEN] = json.dumps(os.environ.get("CUDA_VISIBLE_DEVICES"))
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ[HIDDEN] = "1"
     return True
+
+
+def gpu_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the GPU that :func:`hide_gpu_for_cpu_tests` hid visible again: for a child that runs the gpu
+    tests."""
+    out = dict(env)
+    if HIDDEN not in out:
+        return out
+    was = json.loads(out.pop(HIDDEN))
+    if was is None:
+        out.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        out["CUDA_VISIBLE_DEVICES"] = was
+    return out

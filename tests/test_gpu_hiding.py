@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from _gpu_hiding import ASSUME_GPU, HIDDEN, HIDDEN_REASON, gpu_reported, marker_names, selects_cpu_tests
+from _gpu_hiding import (
+    ASSUME_GPU,
+    HIDDEN,
+    HIDDEN_REASON,
+    gpu_environment,
+    gpu_reported,
+    marker_names,
+    selects_cpu_tests,
+)
 
 from lightning_syncasync.bench.gpu import summarise_junit
 
@@ -53,6 +61,41 @@ def test_a_gpu_is_assumed_only_when_asked_or_reported(monkeypatch):
     assert not torch.cuda.is_initialized()
 
 
+@pytest.mark.parametrize("was", [None, "", "1", "0,1"])
+def test_a_child_for_the_gpu_tests_sees_the_gpus_the_run_saw_before_it_hid_them(monkeypatch, was):
+    import _gpu_hiding
+
+    monkeypatch.setenv(ASSUME_GPU, "1")
+    if was is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", was)
+    monkeypatch.delenv(HIDDEN, raising=False)
+    assert _gpu_hiding.hide_gpu_for_cpu_tests("not slow", [], REPO, ["gpu", "slow"])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and HIDDEN in os.environ
+    child = gpu_environment(os.environ)
+    assert HIDDEN not in child and child.get("CUDA_VISIBLE_DEVICES") == was
+    assert gpu_environment(child) == child  # nothing hidden: unchanged
+
+
+@pytest.mark.timeout(1800)
+def test_the_gpu_tests_hidden_from_this_run_pass_in_a_child_pytest_that_sees_the_gpu(tmp_path):
+    # On a machine with a GPU, the README's test command runs the CPU suite with the GPU hidden and tests/gpu here,
+    # with it, as scripts/gpu_check.sh would (no time budget: every test runs).
+    if HIDDEN not in os.environ:
+        pytest.skip("no GPU was hidden from this run: its gpu tests ran in this process (or skipped for want of one)")
+    junit = tmp_path / "gpu.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    proc = subprocess.run(
+        [*cmd, "tests/gpu"], cwd=REPO, env=gpu_environment(os.environ), capture_output=True, text=True
+    )
+    assert junit.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = summarise_junit(junit)
+    failed = [c for c in summary["cases"] if c["outcome"] in ("failed", "error")]
+    assert proc.returncode == 0 and not failed and summary["tests"] > 0, failed or proc.stdout[-8000:]
+    assert not any(HIDDEN_REASON in (c["message"] or "") for c in summary["cases"]), "the child did not see the GPU"
+
+
 def _child_pytest(tmp_path: Path, *args: str) -> tuple[dict, str]:
     """A child pytest that believes a GPU is there: its JUnit summary, and the CUDA_VISIBLE_DEVICES its tests saw."""
     probe = tmp_path / "test_probe.py"
@@ -75,12 +118,14 @@ def _child_pytest(tmp_path: Path, *args: str) -> tuple[dict, str]:
 def test_a_mixed_run_hides_the_gpu_and_its_gpu_tests_say_how_to_run_them(tmp_path):
     # The README's marker expression over a CPU test and a gpu test file: CUDA_VISIBLE_DEVICES is "" in the tests,
     # and every gpu test skips naming the command that runs it with the GPU.
-    summary, seen = _child_pytest(
-        tmp_path, "-m", "not slow", str(tmp_path / "test_probe.py"), "tests/gpu/test_one_gpu.py"
-    )
+    # The test above runs tests/gpu in a grandchild that is not told to hide it (here, without CUDA, they skip).
+    child = "tests/test_gpu_hiding.py::test_the_gpu_tests_hidden_from_this_run_pass_in_a_child_pytest_that_sees_the_gpu"
+    probe = str(tmp_path / "test_probe.py")
+    summary, seen = _child_pytest(tmp_path, "-m", "not slow", probe, child, "tests/gpu/test_one_gpu.py")
     assert seen == "''", seen
-    gpu = [c for c in summary["cases"] if "test_probe" not in c["name"]]
+    gpu = [c for c in summary["cases"] if "test_one_gpu" in c["name"]]
     assert gpu and all(c["outcome"] == "skipped" and HIDDEN_REASON in c["message"] for c in gpu), gpu
+    assert [c["outcome"] for c in summary["cases"] if "hidden_from_this_run" in c["name"]] == ["passed"], summary
 
 
 @pytest.mark.timeout(300)

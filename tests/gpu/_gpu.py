@@ -34,7 +34,7 @@ if EMULATED:
     install()  # tensors .to("emugpu") in the tests themselves
 
 # A run that also selects CPU tests hides the GPU (tests/_gpu_hiding.py): the reasons say so, and how to run these.
-_HIDDEN = f"; {HIDDEN_REASON}" if os.environ.get(HIDDEN) == "1" else ""
+_HIDDEN = f"; {HIDDEN_REASON}" if HIDDEN in os.environ else ""
 needs_gpu = pytest.mark.skipif(
     CUDA and not torch.cuda.is_available(),
     reason=f"needs a CUDA GPU (scripts/gpu_check.sh runs these on one){_HIDDEN}",
