@@ -8,14 +8,16 @@ every forked rank after the first backward in the pytest process fails. Shown on
 emulated accelerator standing for the GPU (``install()``, a backward, then a fork's backward raises that error);
 forking the ranks from a clean fork server instead is not a drop-in change: Lightning's ``forkserver`` launch
 passes neither the parent's environment nor its seeds (``_GlobalStateSnapshot`` is spawn's only). With every
-``fork`` of the tests made ``forkserver``, 45 of the 399 multi-rank tests failed (2026-12-03): 11 where the sharded
-strategies refuse that start method, most of the others with results that no longer matched their references.
+``fork`` of the tests made ``forkserver``, 45 of the 399 tests in the 26 files that start ranks failed (2026-12-03):
+11 where the sharded strategies refuse that start method, most of the others with results that no longer matched
+their references.
 
 So a run that can select a CPU test hides the GPU (``CUDA_VISIBLE_DEVICES=""``) in ``pytest_configure``, before
 anything initialises CUDA (collection imports ``tests/gpu``, whose skip asks ``torch.cuda.is_available()``, and
-CUDA reads the variable once, when it starts). The gpu tests of such a run skip, naming the command that runs
-them with the GPU: ``pytest -m gpu`` or ``scripts/gpu_check.sh``, runs that select only gpu tests (by ``-m`` or by
-their paths) and are left alone.
+CUDA reads the variable once, when it starts). The gpu tests of such a run skip in its process, saying why, and
+``tests/test_gpu_hiding.py`` runs them in a child pytest with the GPU visible again (:func:`gpu_environment`), as
+``pytest -m gpu tests/gpu`` and ``scripts/gpu_check.sh`` run them: runs that select only gpu tests (by ``-m`` or by
+their paths) are left alone.
 """
 
 from __future__ import annotations
