@@ -25,6 +25,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -107,3 +109,20 @@ def gpu_environment(env: Mapping[str, str]) -> dict[str, str]:
     else:
         out["CUDA_VISIBLE_DEVICES"] = was
     return out
+
+
+def pytest_gpu_tests(junit: Path, selection: Sequence[str], env: Mapping[str, str]) -> dict:
+    """Run ``selection`` of tests/gpu (``-m gpu``) in a child pytest with ``env``; its JUnit summary, read as the GPU
+    check reads it. Fails, with the child's output, when it left no report, failed a test or exited non-zero."""
+    from lightning_syncasync.bench.gpu import summarise_junit
+
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    proc = subprocess.run([*cmd, *selection], cwd=GPU_TESTS.parents[1], env=dict(env), capture_output=True, text=True)
+    if not junit.exists():
+        raise AssertionError(
+            f"pytest left no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+        )
+    summary = summarise_junit(junit)
+    failed = [c for c in summary["cases"] if c["outcome"] in ("failed", "error")]
+    assert proc.returncode == 0 and not failed, failed or proc.stdout[-8000:]
+    return summary

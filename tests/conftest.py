@@ -26,12 +26,10 @@ def pytest_configure(config):
     On a machine with a GPU, a run that selects CPU tests first hides the GPU from this process
     (``tests/_gpu_hiding.py``): its forked ranks would fail otherwise, whatever ran first; the engine is then started
     here as on a machine without one."""
-    from pathlib import Path
-
     from _gpu_hiding import hide_gpu_for_cpu_tests, marker_names
 
     markers = marker_names(config.getini("markers"))
-    hide_gpu_for_cpu_tests(config.getoption("markexpr") or "", config.args, Path(str(config.rootpath)), markers)
+    hide_gpu_for_cpu_tests(config.getoption("markexpr") or "", config.args, config.rootpath, markers)
     import torch
 
     if not torch.cuda.is_available() and os.environ.get("SYNCASYNC_GPU_TESTS_DEVICE") != "emugpu":

@@ -9,8 +9,6 @@ the ranks of ``run_distributed`` here, and a pytest of ``tests/gpu`` with ``SYNC
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,11 +16,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _gpu_hiding import pytest_gpu_tests
 
-from lightning_syncasync.bench.gpu import summarise_junit
 from lightning_syncasync.testing import run_distributed
-
-REPO = Path(__file__).resolve().parents[1]
 
 if not hasattr(torch.utils.backend_registration, "_setup_privateuseone_for_python_backend"):
     # The torch the README pins (2.13) has it; a torch without it cannot host the emulated device at all.
@@ -40,18 +36,8 @@ CUDA_ONLY = (
 
 def _pytest_gpu_tests(tmp_path: Path, selection: list[str]) -> dict[str, Any]:
     """Run ``selection`` of tests/gpu on the emulated device in a child pytest; its counts from the JUnit file."""
-    junit = tmp_path / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     env = {**os.environ, "SYNCASYNC_GPU_TESTS_DEVICE": "emugpu"}
-    proc = subprocess.run([*cmd, *selection], cwd=REPO, env=env, capture_output=True, text=True)
-    if not junit.exists():
-        raise AssertionError(
-            f"pytest left no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
-        )
-    summary = summarise_junit(junit)  # the GPU check's own reading of a JUnit file
-    failed = [c for c in summary["cases"] if c["outcome"] in ("failed", "error")]
-    assert proc.returncode == 0 and not failed, failed or proc.stdout[-8000:]
-    return summary
+    return pytest_gpu_tests(tmp_path / "junit.xml", selection, env)
 
 
 @pytest.mark.timeout(400)

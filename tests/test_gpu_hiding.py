@@ -15,6 +15,7 @@ from _gpu_hiding import (
     gpu_environment,
     gpu_reported,
     marker_names,
+    pytest_gpu_tests,
     selects_cpu_tests,
 )
 
@@ -84,15 +85,8 @@ def test_the_gpu_tests_hidden_from_this_run_pass_in_a_child_pytest_that_sees_the
     # with it, as scripts/gpu_check.sh would (no time budget: every test runs).
     if HIDDEN not in os.environ:
         pytest.skip("no GPU was hidden from this run: its gpu tests ran in this process (or skipped for want of one)")
-    junit = tmp_path / "gpu.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    proc = subprocess.run(
-        [*cmd, "tests/gpu"], cwd=REPO, env=gpu_environment(os.environ), capture_output=True, text=True
-    )
-    assert junit.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    summary = summarise_junit(junit)
-    failed = [c for c in summary["cases"] if c["outcome"] in ("failed", "error")]
-    assert proc.returncode == 0 and not failed and summary["tests"] > 0, failed or proc.stdout[-8000:]
+    summary = pytest_gpu_tests(tmp_path / "gpu.xml", ["tests/gpu"], gpu_environment(os.environ))
+    assert summary["tests"] > 0, summary
     assert not any(HIDDEN_REASON in (c["message"] or "") for c in summary["cases"]), "the child did not see the GPU"
 
 
