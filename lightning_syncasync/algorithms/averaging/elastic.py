@@ -1,0 +1,626 @@
+"""Round-level averaging across replica groups that may leave and join: torchft's quorum decides who takes part.
+
+Each node is a torchft replica group (its own job, synchronous DDP inside it); the groups exchange pseudo-gradients
+every round over torchft's managed process group, which a Lighthouse reconfigures whenever membership changes
+(torchft: ``Manager``, ``ProcessGroupGloo``/``ProcessGroupNCCL``; https://github.com/pytorch/torchft). Local rank
+``i`` of every group exchanges shard ``i`` of the flattened model (torchft configures each local rank's process group
+over the same local rank of every group, as ``hier_sync_sharded`` lays the shards out), and the node all-gathers the
+shards of the result over its own group.
+
+A round, on every rank of every group present:
+
+1. ``torchft.Manager.start_quorum()``: the Lighthouse's current membership. A group behind the quorum's step (a new
+   or restarted node) receives a live peer's state here, through torchft's checkpoint transport (the *heal*).
+2. A header all-reduce (contributing groups, the model's size and fingerprint, step times), then the body: the sum of
+   the groups' pseudo-gradients ``delta_g`` (this rank's shard; ``delta_g = base - theta + carry``: the progress
+   since the last snapshot, plus whatever an uncommitted round left behind).
+3. ``Manager.should_commit()``: every rank of the group votes; a failed collective (a peer died mid-round), too few
+   replicas or an error anywhere in the group makes it ``False``.
+4. Committed: the round's global pseudo-gradient is ``G = sum_g delta_g / P``, ``P`` the groups that contributed
+   samples to it (a joiner healing this round contributes none and does not dilute the mean; a group that left is not
+   counted). Every group runs the same outer step (:class:`~lightning_syncasync.algorithms.averaging.OuterOptimizer`)
+   on the same ``G``, so the global model (the *anchor*) stays the same on every group, and each group replaces its
+   own contribution by the global step. Not committed: nothing is applied, and ``delta_g`` (with its samples) is
+   *carried* into the next round's pseudo-gradient. So every local step of a survivor enters exactly one committed
+   round: none is lost, none is applied twice (tested with a toy model whose updates sum exactly).
+
+Why the mean over contributing groups and not a mean weighted by samples: ``delta_g`` is already the sum of the
+group's steps, so a group that trained on more samples (a carried round, a faster node) moves the global model
+further in proportion to them; weighting by samples again would count them twice.
+
+``staleness=0``: synchronous rounds (local SGD / DiLoCo): the round is exchanged and applied at its end, and every
+group then holds the anchor bitwise. ``staleness=1``: round ``r``'s quorum and exchange run on a thread while round
+``r + 1``'s local steps run; it is committed and applied at the end of round ``r + 1`` as a correction that keeps the
+local progress made meanwhile (as ``RoundExchange`` does).
+
+A consistent cut (validation, checkpoints, the end of fit) drains the round in flight and then runs rounds with no
+new step until one commits: every group present then holds the anchor bitwise.
+
+Heal state (what a joiner receives): this rank's shard of the anchor, the outer optimizer's state, the round clock
+(committed rounds, samples), the round length, and whatever the caller adds (``extra_state``: the inner optimizer,
+the LR schedulers, the loop's step and epoch), with the model's parameter names and shapes, which the joiner checks
+against its own before loading anything. Compression residuals are not sent: they are a group's own held-back
+progress, and a copy would make the peer's count twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
+from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
+from lightning_syncasync.algorithms.stats import StatsRecorder
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ElasticRounds", "ModelMismatchError", "QuorumError", "QuorumManager"]
+
+# The header of a round, summed over the groups: contributing groups, present groups, the model's size, its
+# fingerprint, summed step times (s) and the number of groups that measured one, samples, committed-round clock.
+_HEADER = 8
+_HEAL_KEY = "syncasync_elastic"
+
+
+class QuorumManager(Protocol):
+    """What :class:`ElasticRounds` uses of ``torchft.Manager`` (typed here so this module imports no torchft)."""
+
+    def start_quorum(self) -> None: ...
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = ...) -> Any: ...
+    def should_commit(self) -> bool: ...
+    def num_participants(self) -> int: ...
+    def current_step(self) -> int: ...
+    def errored(self) -> Any: ...
+    def report_error(self, e: Exception) -> None: ...
+    def register_state_dict_fn(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None: ...
+    def disallow_state_dict_read(self) -> None: ...
+    def allow_state_dict_read(self) -> None: ...
+
+
+class QuorumError(RuntimeError):
+    """No quorum of replica groups formed in time (the Lighthouse unreachable, too few nodes alive)."""
+
+
+class ModelMismatchError(ValueError):
+    """A joiner's model (or optimizer) is not the quorum's: the message names the first parameter that differs."""
+
+
+def check_elastic(local_steps: int, staleness: int, min_replicas: int, max_replicas: int | None) -> None:
+    """Validate the settings (strategies check them at construction, before any process starts)."""
+    if not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: 4 averages every 4 steps")
+    if staleness not in (0, 1):
+        raise ValueError(
+            f"staleness must be 0 or 1 for fault-tolerant rounds, got {staleness!r}; HINT: 0 is synchronous rounds, "
+            "1 overlaps each round's exchange with the next round's steps"
+        )
+    if not isinstance(min_replicas, int) or min_replicas < 1:
+        raise ValueError(f"min_replicas must be an integer >= 1, got {min_replicas!r}; HINT: 1 trains on alone")
+    if max_replicas is not None and (not isinstance(max_replicas, int) or max_replicas < 1):
+        raise ValueError(f"max_replicas must be an integer >= 1 or None, got {max_replicas!r}")
+    if max_replicas is not None and min_replicas > max_replicas:
+        raise ValueError(
+            f"min_replicas={min_replicas} is larger than max_replicas={max_replicas}, the nodes that can exist: no "
+            f"round could ever commit. HINT: min_replicas <= {max_replicas} (1 lets a lone survivor train on)"
+        )
+
+
+def model_signature(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameter names and shapes a joiner compares with the quorum's."""
+    return [(n, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
+
+
+def _fingerprint(signature: list[tuple[str, tuple[int, ...]]]) -> int:
+    # 20 bits: summed over up to thousands of groups in fp64 it stays exact.
+    return int(hashlib.sha1(repr(signature).encode()).hexdigest()[:5], 16)
+
+
+def first_difference(ours: list[tuple[str, tuple[int, ...]]], theirs: list[tuple[str, tuple[int, ...]]]) -> str | None:
+    """A sentence naming the first parameter where two signatures differ, or ``None`` when they agree."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return f"parameter {i}: this node has {a[0]!r} of shape {a[1]}, the quorum has {b[0]!r} of shape {b[1]}"
+    if len(ours) != len(theirs):
+        longer, which = (ours, "this node") if len(ours) > len(theirs) else (theirs, "the quorum")
+        extra = longer[min(len(ours), len(theirs))]
+        return f"{which} has {len(longer)} parameters, the first extra one {extra[0]!r} of shape {extra[1]}"
+    return None
+
+
+@dataclass
+class ElasticStats:
+    """What the rounds did (per rank)."""
+
+    committed: int = 0  # rounds committed and applied here
+    failed: int = 0  # rounds not committed (their progress carried into the next)
+    participants: list[int] = field(default_factory=list)  # groups present in each committed round
+    contributors: list[int] = field(default_factory=list)  # groups that contributed samples to it
+    committed_at: list[float] = field(default_factory=list)  # wall clock (time.time()) of each commit
+    heals: int = 0  # times this group took a live peer's state
+    healed_at: float | None = None  # wall clock of the last heal
+    samples_committed: int = 0  # this group's samples in committed rounds (this rank's view)
+    samples_discarded: int = 0  # this group's samples dropped by a heal (its progress replaced by the quorum's)
+    wait_s: float = 0.0  # the training loop's time blocked on rounds
+    # (torchft step after the commit, groups present, groups contributing, this group's samples) per committed round
+    history: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # (the torchft step the round commits as if it commits, this group's samples) per round launched
+    launches: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Flight:
+    delta: torch.Tensor  # this rank's shard of the group's pseudo-gradient
+    samples: int
+    payload: torch.Tensor  # header + body, summed over the groups once the future is done
+    future: Future[bool]  # True: the body was exchanged (the header agreed)
+    launched_at: float
+
+
+class ElasticRounds:
+    """Rounds of pseudo-gradients across torchft replica groups; membership may change at every round.
+
+    Args:
+        tensors: the model's parameters (and float buffers), identical on the ranks of a group, in a fixed order.
+        manager: this rank's ``torchft.Manager`` (its process group spans this local rank of every group).
+        names: the parameter names (for the joiner's check and its error message).
+        node_group: the group's own ranks (``None``: a group of one rank).
+        local_rank, node_size: this rank's place in its group.
+        local_steps: steps per round (``round_s``/``dynamic``: at the groups' mean speed).
+        staleness: ``0`` synchronous rounds, ``1`` each round's exchange overlapped with the next round's steps.
+        outer: the outer optimizer (default: plain averaging).
+        dynamic: rounds of wall-clock length ``local_steps x`` the groups' mean step time (measured, exchanged in the
+            header), so a slow group takes fewer local steps and reaches the quorum with the others.
+        recorder: where bytes and wait time go.
+        extra_state: ``(save, load)``: more state a joiner needs (the inner optimizer, schedulers, the loop's step).
+        on_heal: called on the main thread after this group took a live peer's state and the round was applied, with
+            the number of local steps the peers took between sending the state and committing the round (``0`` with
+            ``staleness=0``): what the caller adds to the step counter it restored through ``extra_state``.
+        cut_timeout_s: how long a consistent cut may keep retrying rounds that do not commit.
+
+    Example::
+
+        rounds = ElasticRounds(list(model.parameters()), manager, names=[n for n, _ in model.named_parameters()])
+        rounds.join()                      # heals from a live group if the job is already running
+        for batch in data:
+            train_step(batch)
+            rounds.after_step(samples=len(batch))
+        rounds.cut(stop=True)
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        manager: QuorumManager,
+        names: Sequence[str] | None = None,
+        node_group: dist.ProcessGroup | None = None,
+        local_rank: int = 0,
+        node_size: int = 1,
+        local_steps: int = 4,
+        staleness: int = 0,
+        outer: OuterOptimizer | None = None,
+        dynamic: bool = False,
+        recorder: StatsRecorder | None = None,
+        extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        on_heal: Callable[[int], None] | None = None,
+        cut_timeout_s: float = 300.0,
+    ) -> None:
+        check_elastic(local_steps, staleness, 1, None)
+        if not tensors:
+            raise ValueError("tensors is empty: nothing to average")
+        if not 0 <= local_rank < node_size:
+            raise ValueError(f"local_rank must be in [0, {node_size}), got {local_rank}")
+        self.tensors = list(tensors)
+        self.manager = manager
+        self.names = list(names) if names is not None else [f"tensor{i}" for i in range(len(self.tensors))]
+        self.signature = model_signature(self.names, self.tensors)
+        self.fingerprint = _fingerprint(self.signature)
+        self.node_group, self.local_rank, self.node_size = node_group, local_rank, node_size
+        self.local_steps, self.staleness, self.dynamic = local_steps, staleness, dynamic
+        self.outer = outer if outer is not None else OuterOptimizer("average")
+        self.recorder = recorder
+        self.extra_state = extra_state
+        self.on_heal = on_heal
+        self.cut_timeout_s = cut_timeout_s
+        self.numel = sum(t.numel() for t in self.tensors)
+        self.shard_numel = -(-self.numel // node_size)
+        self.stats = ElasticStats()
+        self.anchor = self._shard()  # the global model (this rank's shard); the same on every group
+        self._base = self.anchor.clone()  # this rank's shard at the last snapshot
+        self._carry: torch.Tensor | None = None  # progress of uncommitted rounds, sent again with the next one
+        self._carry_samples = 0
+        self._steps = self._samples = 0
+        self._flight: _Flight | None = None
+        self._thread: CommThread | None = None if staleness == 0 else CommThread("syncasync-elastic")
+        self._healed: dict[str, Any] | None = None  # a peer's state, loaded by torchft inside should_commit
+        self._step_ema: float | None = None
+        self._last_step_at: float | None = None
+        self._round_started = time.time()
+        self._round_s: float | None = None  # dynamic: the agreed round length
+        self.last_participants = 0
+        manager.register_state_dict_fn(_HEAL_KEY, self._load_heal, self._heal_state)
+
+    # -- public ------------------------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Take part in one round with no progress: a fresh job's groups start from one model (torchft heals every
+        group at step 0 from the first one), and a group joining a running job heals from a live peer here. Every
+        group of a new job calls it; a running job's groups see it as one of their rounds."""
+        self._commit_round(self._launch(cut=False, gate=True))
+        if self.staleness == 1:
+            # The groups already running launched their next round as they committed this one: launch it too (with
+            # nothing in it), so this group's rounds end with theirs.
+            self._flight = self._launch(cut=False, gate=False)
+
+    def before_step(self) -> None:
+        """Call before each optimizer step: a heal being sent (torchft's thread reads the state) waits for the step."""
+        self.manager.disallow_state_dict_read()
+
+    def after_step(self, samples: int = 1) -> None:
+        """Call after each optimizer step: ends the round when it is over (and, with ``staleness=1``, commits the
+        previous one first)."""
+        self.manager.allow_state_dict_read()
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
+        self._steps += 1
+        self._samples += samples
+        if self._agree(self._round_over()):
+            self._end_round()
+        self._last_step_at = time.perf_counter()
+
+    def cut(self, stop: bool = False) -> None:
+        """A consistent cut: the round in flight committed or carried, then rounds with no new step until one
+        commits; every group present then holds the anchor bitwise. ``stop`` ends the exchange thread after it."""
+        start = time.perf_counter()
+        deadline = start + self.cut_timeout_s
+        if self._flight is not None:
+            self._commit_round(self._flight)
+            self._flight = None
+        while True:
+            if self._commit_round(self._launch(cut=True, gate=True), replace=True):
+                break
+            if time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"a consistent cut found no committed round in {self.cut_timeout_s:g}s (cut_timeout_s); HINT: "
+                    "check that the Lighthouse runs and that min_replicas groups are alive"
+                )
+        self._steps = self._samples = 0
+        self._round_started = time.time()
+        self._last_step_at = None
+        if stop:
+            self.close()
+        self.stats.wait_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """After a cut: what a resumed run needs (the anchor is the model's weights, saved by the caller)."""
+        if self._flight is not None:
+            raise RuntimeError("cut() the rounds before state_dict(): a round is in flight")
+        return {
+            "outer": self.outer.state_dict(),
+            "round_s": self._round_s,
+            "committed": self.stats.committed,
+            "samples_committed": self.stats.samples_committed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore after the weights were loaded (a checkpoint is a cut: they are the anchor)."""
+        self.outer.load_state_dict(state["outer"])
+        self._round_s = state.get("round_s")
+        self.stats.committed = int(state.get("committed", 0))
+        self.stats.samples_committed = int(state.get("samples_committed", 0))
+        self.anchor = self._shard()
+        self._base = self.anchor.clone()
+        self._carry, self._carry_samples = None, 0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    # -- rounds ------------------------------------------------------------------------------------------------
+
+    def _round_over(self) -> bool:
+        if self.dynamic and self._round_s is not None:
+            return time.time() - self._round_started >= self._round_s
+        return self._steps >= self.local_steps
+
+    def _agree(self, flag: bool) -> bool:
+        """A round-end decision, the same on every rank of the group: true if any rank's is. Step-counted rounds
+        agree by construction (DDP steps the ranks together); wall-clock ones need the all-reduce."""
+        if self.node_group is None or self.node_size == 1 or not self.dynamic:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.node_group)
+        return bool(t.item())
+
+    def _end_round(self) -> None:
+        start = time.perf_counter()
+        if self._flight is not None:  # staleness 1: the previous round first
+            self._commit_round(self._flight)
+            self._flight = None
+        rnd = self._launch(cut=False, gate=self.staleness == 0)
+        if self.staleness == 0:
+            self._commit_round(rnd)
+        else:
+            self._flight = rnd
+        self._steps = self._samples = 0
+        self._round_started = time.time()
+        waited = time.perf_counter() - start
+        self.stats.wait_s += waited
+        if self.recorder is not None:
+            self.recorder.record_wait(waited)
+
+    def _launch(self, cut: bool, gate: bool) -> _Flight:
+        """Snapshot this rank's progress and start the round's quorum and exchange (on the thread unless ``gate``)."""
+        theta = self._shard()
+        delta = self._base - theta
+        self._base = theta
+        samples = self._samples
+        if self._carry is not None:
+            delta += self._carry
+            samples += self._carry_samples
+            self._carry, self._carry_samples = None, 0
+        payload = torch.zeros(_HEADER + self.shard_numel, dtype=torch.float32)
+        header = torch.zeros(_HEADER, dtype=torch.float64)
+        header[0] = 1.0 if samples > 0 else 0.0
+        header[1] = 1.0
+        header[2] = float(self.numel)
+        header[3] = float(self.fingerprint)
+        if self._step_ema is not None:
+            header[4], header[5] = self._step_ema, 1.0
+        header[6] = float(samples)
+        payload[_HEADER:] = delta
+        self.stats.launches.append((self.manager.current_step() + 1, samples))
+        rnd = _Flight(delta, samples, payload, Future(), time.perf_counter())
+        if gate or self._thread is None:
+            self._exchange(rnd, header)
+        else:
+            self._thread.submit(lambda: self._exchange(rnd, header))
+        del cut  # every round is exact: fp32, nothing held back
+        return rnd
+
+    def _exchange(self, rnd: _Flight, header: torch.Tensor) -> None:
+        """The quorum, then the header and the body (on the exchange thread with ``staleness=1``). Failures are
+        torchft's to report: ``should_commit`` then says no on every rank of the group."""
+        try:
+            self.manager.start_quorum()
+            work = self.manager.allreduce(header, reduce_op=dist.ReduceOp.SUM)
+            work.wait()
+            agree = _agrees(header, self.numel, self.fingerprint)
+            if agree:
+                body = rnd.payload[_HEADER:]
+                self.manager.allreduce(body, reduce_op=dist.ReduceOp.SUM).wait()
+                if self.recorder is not None:
+                    self.recorder.record_blocking(body.numel() * body.element_size(), "inter", 0.0)
+            rnd.payload[:_HEADER] = header.to(rnd.payload.dtype)
+            rnd.future.set_result(agree)
+        except BaseException as err:  # noqa: BLE001 - the main thread decides
+            rnd.future.set_exception(err)
+
+    def _commit_round(self, rnd: _Flight, replace: bool = False) -> bool:
+        """Wait for a round, vote, and apply it (committed) or carry it (not). Returns whether it committed."""
+        try:
+            agreed = rnd.future.result()
+        except Exception as err:
+            self._carry_back(rnd)
+            raise QuorumError(
+                f"no quorum of replica groups for round {self.manager.current_step()}: {err}. HINT: check that the "
+                "Lighthouse (TORCHFT_LIGHTHOUSE) is reachable and that at least min_replicas nodes are running; the "
+                "wait is bounded by quorum_timeout_s"
+            ) from err
+        header = rnd.payload[:_HEADER].double()
+        try:
+            committed = self.manager.should_commit()
+        except Exception:
+            self._carry_back(rnd)
+            raise
+        healed, self._healed = self._healed, None
+        if healed is not None:
+            self._finish_heal(healed, rnd, header, committed and agreed)
+            return committed and agreed
+        if not agreed and committed:
+            # Every rank saw the same header: a group whose model differs is present. The healing side names the
+            # parameter; here the round carries nothing.
+            present = int(round(float(header[1])))
+            raise ModelMismatchError(
+                f"the {present} replica groups of this round do not train the same model (sizes or parameter names "
+                f"differ: this node has {self.numel} elements). HINT: start every node with the same model and "
+                "optimizer; a node that joins later says which parameter differs"
+            )
+        if not committed or not agreed:
+            self._carry_back(rnd)
+            self.stats.failed += 1
+            log.info("elastic round not committed (step %d): its progress goes into the next", self.manager.current_step())
+            return False
+        self._apply(rnd, header, replace)
+        return True
+
+    def _carry_back(self, rnd: _Flight) -> None:
+        self._carry = rnd.delta if self._carry is None else self._carry + rnd.delta
+        self._carry_samples += rnd.samples
+
+    def _apply(self, rnd: _Flight, header: torch.Tensor, replace: bool) -> None:
+        contributors = int(round(float(header[0])))
+        present = int(round(float(header[1])))
+        if header[5] > 0:
+            mean_step = float(header[4] / header[5])
+            if self.dynamic:
+                self._round_s = self.local_steps * mean_step
+        if contributors > 0:
+            grad = rnd.payload[_HEADER:] / contributors
+            step = self.outer.step(grad)
+        else:
+            step = torch.zeros_like(rnd.delta)
+        self.anchor = self.anchor - step
+        if replace or self.staleness == 0:
+            # Nothing was learned since the snapshot (a cut, or a synchronous round): the tensors become the anchor,
+            # bitwise the same on every group.
+            copy_flat_(self.tensors, self._gather(self.anchor)[: self.numel])
+            self._base = self.anchor.clone()
+        else:
+            correction = rnd.delta - step  # this group's own progress out, the global step in
+            add_flat_(self.tensors, self._gather(correction)[: self.numel])
+            self._base += correction
+        self.last_participants = present
+        self.stats.committed += 1
+        self.stats.participants.append(present)
+        self.stats.contributors.append(contributors)
+        self.stats.committed_at.append(time.time())
+        self.stats.samples_committed += rnd.samples
+        self.stats.history.append((self.manager.current_step(), present, contributors, rnd.samples))
+
+    def _finish_heal(self, healed: dict[str, Any], rnd: _Flight, header: torch.Tensor, committed: bool) -> None:
+        """This group took a live peer's state (inside should_commit): it becomes the peer's global model, then the
+        round (which it took part in with nothing) is applied to it as to everyone."""
+        if self.extra_state is not None and "extra" in healed:
+            self.extra_state[1](healed["extra"])
+        self.outer.load_state_dict(healed["outer"])
+        self.anchor = healed["anchor"].to(self.anchor.dtype).clone()
+        self._round_s = healed.get("round_s")
+        self.stats.committed = int(healed["committed"])
+        self.stats.heals += 1
+        self.stats.healed_at = time.time()
+        self.stats.samples_discarded += rnd.samples + self._carry_samples
+        self._carry, self._carry_samples = None, 0
+        if committed:
+            self._apply(rnd, header, replace=True)
+        else:
+            copy_flat_(self.tensors, self._gather(self.anchor)[: self.numel])
+            self._base = self.anchor.clone()
+        if self.on_heal is not None:
+            # With staleness 1 the peer had taken `round_steps` steps of its next round when it sent its state, and
+            # commits this round after `local_steps` of them (rounds of a fixed step count).
+            behind = 0 if self.staleness == 0 or self.dynamic else self.local_steps - int(healed.get("round_steps", 0))
+            self.on_heal(max(behind, 0))
+
+    # -- the heal's state ------------------------------------------------------------------------------------------
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a joiner receives (read by torchft's quorum thread, between two optimizer steps)."""
+        state: dict[str, Any] = {
+            "signature": self.signature,
+            "anchor": self.anchor.clone(),
+            "outer": self.outer.state_dict(),
+            "round_s": self._round_s,
+            "committed": self.stats.committed,
+            "round_steps": self._steps,
+        }
+        if self.extra_state is not None:
+            state["extra"] = self.extra_state[0]()
+        return state
+
+    def _load_heal(self, state: dict[str, Any]) -> None:
+        """torchft's call when this group heals (inside ``start_quorum``, so on the exchange thread with
+        ``staleness=1``): check, then keep it; :meth:`_finish_heal` applies it on the main thread."""
+        diff = first_difference(self.signature, [(n, tuple(s)) for n, s in state["signature"]])
+        if diff is not None:
+            raise ModelMismatchError(
+                f"this node's model is not the one the running job trains: {diff}. HINT: start the node with the "
+                "same LightningModule and hyperparameters as the others"
+            )
+        if state["anchor"].numel() != self.shard_numel:
+            raise ModelMismatchError(
+                f"the live peer's shard has {state['anchor'].numel()} elements, this rank's {self.shard_numel}; HINT: "
+                "every node needs the same number of ranks (devices) and the same model"
+            )
+        self._healed = state
+
+    # -- shards ----------------------------------------------------------------------------------------------
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float().cpu() for t in self.tensors])
+
+    def _shard(self) -> torch.Tensor:
+        flat = self._flat()
+        pad = self.shard_numel * self.node_size - self.numel
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat[self.local_rank * self.shard_numel : (self.local_rank + 1) * self.shard_numel].clone()
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.node_size == 1:
+            return shard
+        out = torch.empty(self.shard_numel * self.node_size, dtype=shard.dtype)
+        all_gather_flat(out, shard.contiguous(), self.node_group)
+        return out
+
+
+def _agrees(header: torch.Tensor, numel: int, fingerprint: int) -> bool:
+    """Whether every group present sent the same model size and fingerprint (sums over the groups)."""
+    present = float(header[1])
+    return present > 0 and float(header[2]) == present * numel and float(header[3]) == present * fingerprint
+
+
+FT_HINT = 'HINT: pip install "lightning-syncasync[ft]"'
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def require_torchft(owner: str) -> Any:
+    """``import torchft``, or an ``ImportError`` that says how to install it."""
+    try:
+        import torchft
+    except ImportError as err:
+        raise ImportError(
+            f"{owner} needs torchft (PyTorch's fault-tolerance library), which is not installed. {FT_HINT}"
+        ) from err
+    return torchft
+
+
+def make_manager(
+    owner: str,
+    rank: int,
+    world_size: int,
+    replica_id: str,
+    lighthouse: str,
+    min_replicas: int,
+    timeout_s: float,
+    quorum_timeout_s: float,
+    connect_timeout_s: float = 10.0,
+    store_addr: str | None = None,
+    store_port: int | None = None,
+    device: torch.device | None = None,
+) -> Any:
+    """This rank's ``torchft.Manager``: one per rank of a replica group (rank 0 runs the group's manager server;
+    the group's TCPStore, the one ``init_process_group`` started, must exist), with a process group that torchft
+    reconfigures over this local rank of every group present (gloo on the CPU, NCCL on CUDA).
+
+    ``use_async_quorum=False``: a group that heals takes the live peer's state before the round's exchange and then
+    takes part in it, and nothing it computed before healing is mixed into the quorum's model."""
+    torchft = require_torchft(owner)
+    timeout = timedelta(seconds=timeout_s)
+    if device is not None and device.type == "cuda":
+        pg = torchft.ProcessGroupNCCL(timeout=timeout)
+    else:
+        pg = torchft.ProcessGroupGloo(timeout=timeout)
+    return torchft.Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_replicas,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=quorum_timeout_s),
+        connect_timeout=timedelta(seconds=connect_timeout_s),
+        rank=rank,
+        world_size=world_size,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=lighthouse,
+        replica_id=replica_id,
+        init_sync=True,
+    )
