@@ -172,6 +172,7 @@ def _schemas() -> dict[str, type]:
     from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
     from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
     from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
+    from lightning_syncasync.strategies.fault_tolerant import FaultTolerantStrategy
     from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
     from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
     from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
@@ -211,6 +212,10 @@ def _schemas() -> dict[str, type]:
         "strategy/async_ssp": builds(
             AsyncSSPStrategy,
             extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None)},  # noqa: UP045
+        ),
+        "strategy/fault_tolerant": builds(
+            FaultTolerantStrategy,
+            extra={"start_method": (str, "popen"), "process_group_backend": (Optional[str], None), **ddp_kwargs},  # noqa: UP045
         ),
         "strategy/auto_sync": builds(
             AutoSyncStrategy,

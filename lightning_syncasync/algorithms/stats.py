@@ -61,6 +61,8 @@ class StepStats:
         staleness_max: max staleness of the updates applied in the step.
         clock_gap: the SSP clock gap this step started with (own clock minus the slowest peer's; 0 when synchronous).
         mode: the sync mode the step ran in (``"sync"``, ``"hier"``, ``"async"``, ``"local"``).
+        participants: the nodes in the last committed round of a fault-tolerant strategy (0 where membership is
+            fixed).
     """
 
     step: int
@@ -74,6 +76,7 @@ class StepStats:
     staleness_max: float = 0.0
     clock_gap: float = 0.0
     mode: str = "sync"
+    participants: int = 0
 
     @property
     def bytes_total(self) -> int:
@@ -104,6 +107,7 @@ class _Open:
     clock_gap: float = 0.0
     # (start, end) of checkpoint saves since the previous step closed: not part of any step's time.
     paused: list[tuple[float, float]] = field(default_factory=list)
+    participants: int = 0
 
 
 class StatsRecorder:
@@ -136,6 +140,7 @@ class StatsRecorder:
         # end_step(block=False): event pairs of earlier steps the GPU had not reached when their step closed.
         self._carried: list[tuple[Any, Any]] = []
         self.mode = mode
+        self.last_participants = 0  # the last value record_participants saw (kept across steps)
         self.history: deque[StepStats] = deque(maxlen=history)
         self.total_bytes = {"intra": 0, "inter": 0}
         # Whole-run histograms {value: count} of version staleness and clock gaps (integers for the async modes).
@@ -264,6 +269,14 @@ class StatsRecorder:
             hist = self.histograms["staleness"]
             hist[round(value)] = hist.get(round(value), 0) + 1
 
+    def record_participants(self, value: int) -> None:
+        """Record the nodes that took part in the last committed round (fault-tolerant strategies)."""
+        if value < 0:
+            raise ValueError(f"participants must be >= 0, got {value}")
+        with self._lock:
+            self._open.participants = int(value)
+            self.last_participants = int(value)
+
     def record_clock_gap(self, value: float) -> None:
         """Record the SSP clock gap the current step started with."""
         if value < 0:
@@ -313,6 +326,7 @@ class StatsRecorder:
                 staleness_max=max(stal) if stal else 0.0,
                 clock_gap=cur.clock_gap,
                 mode=self.mode,
+                participants=cur.participants or self.last_participants,
             )
             for scope in _SCOPES:
                 self.total_bytes[scope] += cur.bytes[scope]

@@ -241,6 +241,8 @@ class SyncMonitor(Callback):
             f"{p}staleness_max": stats.staleness_max,
             f"{p}clock_gap": stats.clock_gap,
         }
+        if stats.participants:  # fault-tolerant strategies: the nodes in the last committed round
+            values[f"{p}participants"] = float(stats.participants)
         write_step_values(trainer, values)
 
     @override

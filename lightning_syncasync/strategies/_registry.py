@@ -71,6 +71,19 @@ STRATEGIES: list[StrategyEntry] = [
         "lightning_syncasync.strategies.async_ssp_sharded.ShardedAsyncSSPStrategy",
         "async_ssp's rounds for models that do not fit one device: FSDP2 shards inside each node, rounds across nodes",
     ),
+    # Nodes that leave and join (torchft; pip install "lightning-syncasync[ft]"): one job per node, joined through a
+    # Lighthouse. One class; the async name sets wall-clock rounds and async_ssp's round length.
+    *_with_spawn(
+        "hier_sync_ft",
+        "lightning_syncasync.strategies.fault_tolerant.FaultTolerantStrategy",
+        "hier_sync across nodes that may leave and join a running job (torchft replica groups, one job per node)",
+    ),
+    *_with_spawn(
+        "async_ssp_ft",
+        "lightning_syncasync.strategies.fault_tolerant.FaultTolerantStrategy",
+        "async_ssp's wall-clock rounds across nodes that may leave and join a running job (torchft replica groups)",
+        {"dynamic_local_steps": True, "local_steps": 8},
+    ),
     *_with_spawn(
         "auto_sync",
         "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",

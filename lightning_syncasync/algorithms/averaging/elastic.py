@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -246,6 +247,7 @@ class ElasticRounds:
         self._last_step_at: float | None = None
         self._round_started = time.time()
         self._round_s: float | None = None  # dynamic: the agreed round length
+        self._gated = False  # a round is being exchanged on the main thread (committed with no step in between)
         self.last_participants = 0
         manager.register_state_dict_fn(_HEAL_KEY, self._load_heal, self._heal_state)
 
@@ -388,7 +390,11 @@ class ElasticRounds:
         self.stats.launches.append((self.manager.current_step() + 1, samples))
         rnd = _Flight(delta, samples, payload, Future(), time.perf_counter())
         if gate or self._thread is None:
-            self._exchange(rnd, header)
+            self._gated = True  # a peer healing from this round sees it committed at once, with no step between
+            try:
+                self._exchange(rnd, header)
+            finally:
+                self._gated = False
         else:
             self._thread.submit(lambda: self._exchange(rnd, header))
         del cut  # every round is exact: fp32, nothing held back
@@ -486,8 +492,16 @@ class ElasticRounds:
 
     def _finish_heal(self, healed: dict[str, Any], rnd: _Flight, header: torch.Tensor, committed: bool) -> None:
         """This group took a live peer's state (inside should_commit): it becomes the peer's global model, then the
-        round (which it took part in with nothing) is applied to it as to everyone."""
-        if self.extra_state is not None and "extra" in healed:
+        round (which it took part in with nothing) is applied to it as to everyone.
+
+        Each rank of the group healed from its own peer, which sent its state between two of its steps: the ranks
+        of that group need not have been at the same point then. What the group's ranks must agree on (the inner
+        optimizer state, the loop's counters, how far the peers were into their next round) is local rank 0's."""
+        if self.node_group is not None and self.node_size > 1:
+            shared = [{"extra": healed.get("extra"), "round_steps": healed.get("round_steps")}]
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.node_group, 0), group=self.node_group)
+            healed = {**healed, **shared[0]}
+        if self.extra_state is not None and healed.get("extra") is not None:
             self.extra_state[1](healed["extra"])
         self.outer.load_state_dict(healed["outer"])
         self.anchor = healed["anchor"].to(self.anchor.dtype).clone()
@@ -505,7 +519,8 @@ class ElasticRounds:
         if self.on_heal is not None:
             # With staleness 1 the peer had taken `round_steps` steps of its next round when it sent its state, and
             # commits this round after `local_steps` of them (rounds of a fixed step count).
-            behind = 0 if self.staleness == 0 or self.dynamic else self.local_steps - int(healed.get("round_steps", 0))
+            done = healed.get("round_steps")
+            behind = 0 if done is None or self.dynamic else self.local_steps - int(done)
             self.on_heal(max(behind, 0))
 
     # -- the heal's state ------------------------------------------------------------------------------------------
@@ -518,7 +533,9 @@ class ElasticRounds:
             "outer": self.outer.state_dict(),
             "round_s": self._round_s,
             "committed": self.stats.committed,
-            "round_steps": self._steps,
+            # Steps this group will take between this heal and the round's commit: with staleness 1 the round in
+            # flight commits at the end of the next one, of which `_steps` are done.
+            "round_steps": None if self._gated or self.staleness == 0 else self._steps,
         }
         if self.extra_state is not None:
             state["extra"] = self.extra_state[0]()
@@ -572,6 +589,9 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 def require_torchft(owner: str) -> Any:
     """``import torchft``, or an ``ImportError`` that says how to install it."""
+    # The Rust side (the Lighthouse client and the manager server) logs every quorum at INFO to stderr; its logger
+    # reads RUST_LOG once, when the extension loads. Warnings and errors only, unless the user chose a level.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
     except ImportError as err:
