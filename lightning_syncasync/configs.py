@@ -131,6 +131,9 @@ class TrainConfig:
         test: run ``trainer.test`` after fitting.
         optimized_metric: metric returned to Hydra sweepers (e.g. optuna), read from ``trainer.callback_metrics``.
         results_file: JSON file, written by rank 0 in the job's output folder, with the metrics and the summary.
+        ft: run a fault-tolerant job (``strategy=hier_sync_ft`` or ``async_ssp_ft``) as this many emulated nodes on
+            this machine: a torchft Lighthouse and one job per node (``0``: this process is the job).
+        ft_faults: the node fault schedule of an ``ft`` job, e.g. ``kill:1@10,start:1@25``.
     """
 
     task_name: str = "train"
@@ -145,6 +148,8 @@ class TrainConfig:
     test: bool = False
     optimized_metric: str = "val_acc"
     results_file: str = "results.json"
+    ft: int = 0
+    ft_faults: str = ""
 
 
 def _schemas() -> dict[str, type]:

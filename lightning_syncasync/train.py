@@ -194,10 +194,46 @@ def _run_multirun_job_in_child(cfg: DictConfig) -> dict[str, Any]:
     return json.loads((output_dir / cfg.results_file).read_text())
 
 
+def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
+    """``ft=N``: a torchft Lighthouse and N jobs of this app, one per emulated node (each its own output folder
+    ``node{n}``), with ``ft_faults``; the results are node 0's last run's, with every run's exit listed."""
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+
+    strategy = cfg.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(cfg.trainer.get("strategy"))
+    if not str(target).endswith("FaultTolerantStrategy") and not str(target).endswith("_ft"):
+        raise ValueError(
+            f"ft={cfg.ft} runs one job per node joined through a Lighthouse, which only the fault-tolerant "
+            f"strategies do; strategy is {target!r}. HINT: add strategy=hier_sync_ft (or async_ssp_ft)"
+        )
+    if cfg.trainer.get("num_nodes", 1) != 1:
+        raise ValueError(f"ft={cfg.ft} makes the nodes itself; HINT: drop trainer.num_nodes")
+    hc = HydraConfig.get()
+    output_dir = Path(hc.runtime.output_dir)
+    devices = cfg.trainer.get("devices", 1)
+    cluster = ReplicaGroupCluster(
+        nodes=int(cfg.ft), procs_per_node=devices if isinstance(devices, int) and devices > 0 else 1,
+        faults=str(cfg.ft_faults or ""), log_dir=output_dir,
+    )  # fmt: skip
+    task = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in ("ft", "ft_faults")]
+    cmd = [sys.executable, "-m", "lightning_syncasync.train", *_searchpath_overrides(hc), *task,
+           f"hydra.run.dir={output_dir}/node{{node}}", "hydra.mode=RUN"]  # fmt: skip
+    report = cluster.run(cmd)
+    if report.interrupted or report.failed:
+        bad = ", ".join(f"node {r.node} exit {r.exit_code} ({r.log})" for r in report.failed) or "interrupted"
+        raise RuntimeError(f"the fault-tolerant job did not end cleanly: {bad}")
+    results = json.loads((output_dir / "node0" / cfg.results_file).read_text())
+    results["ft"] = {"nodes": int(cfg.ft), "faults": str(cfg.ft_faults or ""), "runs": [vars(r) for r in report.runs]}
+    (output_dir / cfg.results_file).write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
 @hydra.main(version_base="1.3", config_path="pkg://lightning_syncasync.conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Entry point of ``syncasync-train``. Returns ``cfg.optimized_metric`` for Hydra sweepers."""
-    if HydraConfig.get().mode == RunMode.MULTIRUN and not os.environ.get(ENV_MULTIRUN_CHILD):
+    if cfg.get("ft", 0) and not os.environ.get("REPLICA_GROUP_ID"):
+        results = _run_fault_tolerant_job(cfg)
+    elif HydraConfig.get().mode == RunMode.MULTIRUN and not os.environ.get(ENV_MULTIRUN_CHILD):
         results = _run_multirun_job_in_child(cfg)
     else:
         results = run(cfg)

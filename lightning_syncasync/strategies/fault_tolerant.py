@@ -343,6 +343,14 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
 
     def _merge_replicas(self) -> None:
         self._cut(stop=True)
+        if self.rounds is not None:
+            st = self.rounds.stats
+            present = st.participants or [0]
+            rank_zero_info(
+                f"{self.strategy_name}: node {self.replica_group}: {st.committed} round(s) committed, {st.failed} not "
+                f"(their progress carried into the next), {st.heals} heal(s), {min(present)}-{max(present)} node(s) "
+                f"per round, {st.samples_discarded} step(s) discarded by a heal"
+            )
 
     def _algorithm(self) -> Any | None:
         return _Checkpointed(self) if self.rounds is not None else None

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -436,6 +437,14 @@ class ElasticRounds:
             self._carry_back(rnd)
             raise
         healed, self._healed = self._healed, None
+        if self.node_group is not None and self.node_size > 1:
+            # torchft decides the heal per local rank, and at step 0 (every group new, init_sync) it takes each
+            # local rank's shard from a different group: some ranks of a group heal, the others are the source of
+            # their shard. The group heals as a whole: a source rank's own state stands for the healed one.
+            flag = torch.tensor([0 if healed is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group)
+            if int(flag.item()) and healed is None:
+                healed = self._heal_state()
         if healed is not None:
             self._finish_heal(healed, rnd, header, committed and agreed)
             return committed and agreed
@@ -585,6 +594,9 @@ def _agrees(header: torch.Tensor, numel: int, fingerprint: int) -> bool:
 
 FT_HINT = 'HINT: pip install "lightning-syncasync[ft]"'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# The address the other nodes reach this node's torchft manager and checkpoint server at (default: its hostname);
+# syncasync-emulate sets it to each emulated node's address.
+FT_HOST_ENV = "SYNCASYNC_FT_HOST"
 
 
 def require_torchft(owner: str) -> Any:
@@ -623,6 +635,7 @@ def make_manager(
     takes part in it, and nothing it computed before healing is mixed into the quorum's model."""
     torchft = require_torchft(owner)
     timeout = timedelta(seconds=timeout_s)
+    host = os.environ.get(FT_HOST_ENV) or socket.gethostname()
     if device is not None and device.type == "cuda":
         pg = torchft.ProcessGroupNCCL(timeout=timeout)
     else:
@@ -642,5 +655,19 @@ def make_manager(
         store_port=store_port,
         lighthouse_addr=lighthouse,
         replica_id=replica_id,
+        hostname=host,
+        checkpoint_transport=_transport(torchft, host, timeout),
         init_sync=True,
     )
+
+
+def _transport(torchft: Any, host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertised at ``host`` (torchft's own uses the hostname, which emulated
+    nodes share)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _HostTransport(HTTPTransport):
+        def address(self) -> str:
+            return super().address().replace(f"//{socket.gethostname()}:", f"//{host}:", 1)
+
+    return _HostTransport(timeout=timeout, num_chunks=0)

@@ -1,0 +1,332 @@
+"""Run a fault-tolerant job on one machine: a torchft Lighthouse and one job per emulated node, with a schedule of
+node faults (a node's whole job SIGKILLed at a chosen time and started again later, or a node that joins late).
+
+This is the launch of ``docs/fault_tolerance.md`` on one machine: every node is its own job (the command runs once
+per node; Lightning's launcher starts the node's ranks, ``trainer.devices`` of them), with ``REPLICA_GROUP_ID``,
+``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set, as a scheduler would set them on real nodes. With network
+namespaces (``netns=True``, root) each node sits behind its own rate-limited link (:class:`EmulatedNetwork`), the
+Lighthouse runs in node 0's namespace (its own process: killing node 0's job leaves it up), and each node advertises
+its own address to the others (``SYNCASYNC_FT_HOST``).
+
+Fault schedule: ``kill:1@10,start:1@25`` SIGKILLs node 1's job (every process of it) 10 s after the start and starts
+it again at 25 s; ``start:2@15`` alone starts node 2 at 15 s instead of at once (scale-out). Times are seconds from
+the start of the emulation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+from lightning_syncasync.algorithms.averaging.elastic import FT_HOST_ENV
+from lightning_syncasync.emulate.cluster import _tee, free_port
+from lightning_syncasync.emulate.network import EmulatedNetwork
+
+log = logging.getLogger(__name__)
+_EVENT = re.compile(r"^(kill|start):(\d+)@(\d+(?:\.\d+)?)$")
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """``kind`` (``kill`` or ``start``) of node ``node``, ``at_s`` seconds after the start."""
+
+    kind: str
+    node: int
+    at_s: float
+
+
+def parse_node_faults(spec: str, nodes: int) -> list[NodeEvent]:
+    """``kill:1@10,start:1@25`` -> events in time order; errors name the item and the fix."""
+    events = []
+    for item in filter(None, (s.strip() for s in re.split(r"[,; ]", spec))):
+        m = _EVENT.match(item)
+        if m is None:
+            raise ValueError(
+                f"--node-faults item {item!r} is not KIND:NODE@SECONDS; HINT: kill:1@10 (SIGKILL node 1's job at "
+                "10 s), start:1@25 (start it again, or for the first time, at 25 s)"
+            )
+        kind, node, at = m.group(1), int(m.group(2)), float(m.group(3))
+        if not 0 <= node < nodes:
+            raise ValueError(f"--node-faults {item!r}: node {node} is outside 0..{nodes - 1}")
+        events.append(NodeEvent(kind, node, at))
+    events.sort(key=lambda e: e.at_s)
+    alive = {n: True for n in range(nodes)}
+    for n in {e.node for e in events}:
+        first = next(e for e in events if e.node == n)
+        alive[n] = first.kind == "kill"  # a node whose first event is a start joins late
+    for e in events:
+        if (e.kind == "kill") != alive[e.node]:
+            state = "not running" if e.kind == "kill" else "running"
+            raise ValueError(f"--node-faults: {e.kind}:{e.node}@{e.at_s:g} but node {e.node} is {state} then")
+        alive[e.node] = e.kind == "start"
+    return events
+
+
+@dataclass
+class NodeRun:
+    """One start of one node's job."""
+
+    node: int
+    started_at: float  # seconds from the emulation's start
+    exit_code: int | None = None
+    ended_at: float | None = None
+    killed: bool = False
+    log: str = ""
+
+
+@dataclass
+class ReplicaGroupsReport:
+    """What ran (written as ``emulation.json`` in the log folder)."""
+
+    nodes: int
+    procs_per_node: int
+    link_mbit: float | None
+    netns: bool
+    faults: list[dict[str, object]]
+    lighthouse: str = ""
+    started_at: float = 0.0  # time.time() of the emulation's start (the fault schedule's origin)
+    runs: list[NodeRun] = field(default_factory=list)
+    wall_s: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def failed(self) -> list[NodeRun]:
+        """Runs that ended badly on their own (not killed by the schedule)."""
+        return [r for r in self.runs if not r.killed and r.exit_code not in (0, None)]
+
+
+class ReplicaGroupCluster:
+    """A Lighthouse and ``nodes`` jobs of ``procs_per_node`` ranks each, with node faults on a schedule.
+
+    Args:
+        nodes: emulated nodes (replica groups).
+        procs_per_node: ranks per node (the command must ask for as many: ``trainer.devices``).
+        link_mbit: each node's link rate (needs ``netns``).
+        netns: one network namespace per node (root); ``False``: loopback.
+        faults: the node fault schedule (module docstring).
+        min_replicas: the Lighthouse's quorum minimum.
+        join_timeout_ms: how long the Lighthouse waits for a node that heartbeats but has not asked to join a
+            round (validation, a checkpoint save) before forming the round without it.
+        heartbeat_timeout_ms: how long after its last heartbeat a node counts as dead.
+        log_dir: ``node{n}.log`` (``node{n}.{k}.log`` for its k-th restart), ``lighthouse.log``, ``emulation.json``.
+        echo: copy node 0's first run's output to this process's stdout.
+
+    Example::
+
+        cluster = ReplicaGroupCluster(nodes=2, procs_per_node=2, faults="kill:1@10,start:1@20")
+        report = cluster.run(["syncasync-train", "strategy=hier_sync_ft", "trainer.devices=2"])
+    """
+
+    def __init__(
+        self,
+        nodes: int = 2,
+        procs_per_node: int = 2,
+        link_mbit: float | None = None,
+        netns: bool = False,
+        faults: str = "",
+        min_replicas: int = 1,
+        join_timeout_ms: int = 10_000,
+        heartbeat_timeout_ms: int = 2_000,
+        log_dir: str | Path | None = None,
+        echo: bool = True,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {nodes}; HINT: e.g. --nodes 2")
+        if procs_per_node < 1:
+            raise ValueError(f"--procs-per-node must be >= 1, got {procs_per_node}")
+        if link_mbit is not None and not netns:
+            raise ValueError("--link-mbit needs network namespaces; HINT: drop --no-netns, or drop --link-mbit")
+        if not 1 <= min_replicas <= nodes:
+            raise ValueError(
+                f"min_replicas={min_replicas} must be between 1 and the {nodes} node(s) that can exist; HINT: 1 lets "
+                "a lone survivor train on"
+            )
+        if shutil.which("torchft_lighthouse") is None:
+            from lightning_syncasync.algorithms.averaging.elastic import FT_HINT
+
+            raise ValueError(f"the fault-tolerant emulation needs torchft's torchft_lighthouse, not found. {FT_HINT}")
+        self.nodes, self.procs_per_node, self.link_mbit, self.netns = nodes, procs_per_node, link_mbit, netns
+        self.events = parse_node_faults(faults, nodes)
+        self.min_replicas, self.join_timeout_ms, self.heartbeat_timeout_ms = (
+            min_replicas, join_timeout_ms, heartbeat_timeout_ms,
+        )  # fmt: skip
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.echo = echo
+        self.network: EmulatedNetwork | None = None
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._runs: dict[int, NodeRun] = {}
+        self._stop = False
+
+    def run(self, command: Sequence[str], timeout_s: float | None = None) -> ReplicaGroupsReport:
+        """Run ``command`` once per node (``{node}`` in its arguments is replaced by the node's id) until every
+        node's last run has ended and no start is left in the schedule."""
+        report = ReplicaGroupsReport(
+            nodes=self.nodes, procs_per_node=self.procs_per_node, link_mbit=self.link_mbit, netns=self.netns,
+            faults=[asdict(e) for e in self.events],
+        )  # fmt: skip
+        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="syncasync-ft-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        files: list[IO[bytes]] = []
+        lighthouse: subprocess.Popen | None = None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        start = time.monotonic()
+        report.started_at = time.time()
+        try:
+            for s in previous:
+                signal.signal(s, self._on_signal)
+            if self.netns:
+                self.network = EmulatedNetwork(self.nodes, self.link_mbit)
+                self.network.setup()
+            lighthouse, report.lighthouse = self._start_lighthouse(log_dir, files)
+            late = {e.node for e in self.events if e.kind == "start"} - {e.node for e in self.events if e.kind == "kill"}
+            for node in range(self.nodes):
+                if node not in late:
+                    report.runs.append(self._start_node(node, command, report, log_dir, files, start))
+            pending = [e for e in self.events]
+            while not self._stop:
+                now = time.monotonic() - start
+                while pending and pending[0].at_s <= now:
+                    event = pending.pop(0)
+                    if event.kind == "kill":
+                        self._kill_node(event.node, start)
+                    else:
+                        report.runs.append(self._start_node(event.node, command, report, log_dir, files, start))
+                for node, proc in list(self._procs.items()):
+                    code = proc.poll()
+                    if code is not None:
+                        run = self._runs[node]
+                        run.exit_code, run.ended_at = code, time.monotonic() - start
+                        del self._procs[node]
+                if not self._procs and not pending:
+                    break
+                if timeout_s is not None and now > timeout_s:
+                    log.error("timeout after %.0f s: stopping every node", timeout_s)
+                    report.interrupted = True
+                    break
+                time.sleep(0.05)
+            report.interrupted |= self._stop
+        finally:
+            for node in list(self._procs):
+                self._kill_node(node, start, scheduled=False)
+            if lighthouse is not None:
+                lighthouse.terminate()
+                try:
+                    lighthouse.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    lighthouse.kill()
+            for f in files:
+                f.close()
+            if self.network is not None:
+                self.network.teardown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            report.wall_s = time.monotonic() - start
+            (log_dir / "emulation.json").write_text(json.dumps(asdict(report), indent=2))
+        return report
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _start_lighthouse(self, log_dir: Path, files: list[IO[bytes]]) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        host = self.network.address(0) if self.network is not None else "127.0.0.1"
+        cmd = ["torchft_lighthouse", "--min_replicas", str(self.min_replicas), "--bind", f"[::]:{port}",
+               "--join_timeout_ms", str(self.join_timeout_ms), "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms),
+               "--quorum_tick_ms", "50"]  # fmt: skip
+        if self.network is not None:
+            cmd = self.network.exec_prefix(0) + cmd
+        out = open(log_dir / "lighthouse.log", "wb")  # noqa: SIM115 - closed by run()
+        files.append(out)
+        env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        address = f"http://{host}:{port}"
+        deadline = time.monotonic() + 10
+        import socket
+
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}; see {log_dir / 'lighthouse.log'}")
+            try:
+                probe = self.network.exec_prefix(0) if self.network is not None else []
+                if probe:
+                    ok = subprocess.run([*probe, sys.executable, "-c", f"import socket; socket.create_connection(('{host}', {port}), 1)"],
+                                        capture_output=True).returncode == 0  # fmt: skip
+                else:
+                    socket.create_connection((host, port), 1).close()
+                    ok = True
+                if ok:
+                    log.info("lighthouse at %s (min_replicas %d)", address, self.min_replicas)
+                    return proc, address
+            except OSError:
+                pass
+            time.sleep(0.1)
+        proc.kill()
+        raise RuntimeError(f"torchft_lighthouse did not listen at {address} within 10 s")
+
+    def node_env(self, node: int, lighthouse: str) -> dict[str, str]:
+        env = dict(os.environ)
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                    "TORCHELASTIC_RUN_ID", "GLOO_SOCKET_IFNAME"):  # fmt: skip
+            env.pop(var, None)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("RUST_LOG", "warn")
+        host = self.network.address(node) if self.network is not None else "127.0.0.1"
+        env.update(
+            TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(node), NUM_REPLICA_GROUPS=str(self.nodes),
+            MASTER_ADDR=host, MASTER_PORT=str(free_port()), **{FT_HOST_ENV: host},
+        )  # fmt: skip
+        if self.network is not None:
+            env["GLOO_SOCKET_IFNAME"] = self.network.interface(node)
+        return env
+
+    def _start_node(self, node: int, command: Sequence[str], report: ReplicaGroupsReport, log_dir: Path,
+                    files: list[IO[bytes]], start: float) -> NodeRun:  # fmt: skip
+        attempt = sum(1 for r in report.runs if r.node == node)
+        name = f"node{node}.log" if attempt == 0 else f"node{node}.{attempt}.log"
+        cmd = [a.replace("{node}", str(node)) for a in command]
+        if self.network is not None:
+            cmd = self.network.exec_prefix(node) + cmd
+        out = open(log_dir / name, "wb")  # noqa: SIM115 - closed by run()
+        files.append(out)
+        echo = self.echo and node == 0 and attempt == 0
+        proc = subprocess.Popen(
+            cmd, env=self.node_env(node, report.lighthouse), stdout=subprocess.PIPE if echo else out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        if echo:
+            threading.Thread(target=_tee, args=(proc.stdout, out), daemon=True).start()
+        self._procs[node] = proc
+        run = NodeRun(node=node, started_at=time.monotonic() - start, log=str(log_dir / name))
+        self._runs[node] = run
+        log.info("node %d started (run %d) at %.1f s", node, attempt, run.started_at)
+        return run
+
+    def _kill_node(self, node: int, start: float, scheduled: bool = True) -> None:
+        proc = self._procs.pop(node, None)
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the node's whole job: Lightning's launcher and its ranks
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        run = self._runs[node]
+        run.exit_code, run.ended_at, run.killed = proc.returncode, time.monotonic() - start, scheduled
+        if scheduled:
+            log.info("node %d killed at %.1f s", node, run.ended_at)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop = True
