@@ -16,6 +16,7 @@ process (same overrides, the job's own output folder), which also keeps jobs fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -161,6 +162,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "sync_summary": summary,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    elastic = getattr(trainer.strategy, "elastic_stats", None)
+    if elastic is not None:  # fault-tolerant strategies: rounds, participants, heals (rank 0's view)
+        results["elastic"] = dataclasses.asdict(elastic)
     if trainer.is_global_zero:
         path = output_dir / cfg.results_file
         path.write_text(json.dumps(results, indent=2, default=str))

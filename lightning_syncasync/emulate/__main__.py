@@ -5,6 +5,13 @@
 
 The command runs once per rank, started like torchrun starts ranks on real nodes; ``{rank}`` in its arguments is
 replaced by the rank. The training command must ask for the same shape (``num_nodes x devices`` = world size).
+
+With ``--ft`` the nodes are torchft replica groups instead (``strategy=hier_sync_ft`` or ``async_ssp_ft``): a
+Lighthouse, and the command once per node (``{node}`` replaced by its id; Lightning starts the node's ranks, so it asks
+for ``trainer.devices``), with ``--node-faults`` killing a node's whole job and starting it again::
+
+    syncasync-emulate --ft --nodes 2 --procs-per-node 2 --node-faults kill:1@20,start:1@40 -- \
+        syncasync-train strategy=hier_sync_ft trainer.devices=2 hydra.run.dir=out/node{node}
 """
 
 from __future__ import annotations
@@ -95,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="inject a fault: kill:1@5 (SIGKILL), stop:1@5 (SIGSTOP, a hang), raise:1@5, cut:2@6+3 (rank 2's node "
         "link down for 3 s); fires in the first attempt only",
     )
+    p.add_argument(
+        "--ft",
+        action="store_true",
+        help="fault-tolerant nodes: a torchft Lighthouse and the command once per node (hier_sync_ft, async_ssp_ft)",
+    )
+    p.add_argument(
+        "--node-faults",
+        default="",
+        metavar="KIND:NODE@SECONDS,...",
+        help="with --ft: kill:1@20 SIGKILLs node 1's whole job 20 s in, start:1@40 starts it again (or late)",
+    )
+    p.add_argument("--min-replicas", type=int, default=1, help="with --ft: the Lighthouse's quorum minimum")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the training command")
     return p
 
@@ -107,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("no training command; put it after --, e.g. -- syncasync-train trainer.devices=2")
     if args.no_netns and args.link_mbit is not None:
         build_parser().error("--link-mbit needs network namespaces; drop --no-netns or drop --link-mbit")
+    if args.ft:
+        return _run_ft(args, command)
+    if args.node_faults:
+        build_parser().error("--node-faults needs --ft (nodes that leave and join); HINT: add --ft, or use --fault")
     try:
         cluster = EmulatedCluster(
             nodes=args.nodes, procs_per_node=args.procs_per_node, link_mbit=args.link_mbit,
@@ -137,6 +160,34 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("rank %d failed with exit code %d; see %s", failed, code, cluster.log_dir)
         print(json.dumps(asdict(report)), file=sys.stderr)
         return code if 0 < code < 256 else 1
+    return 0
+
+
+def _run_ft(args: argparse.Namespace, command: list[str]) -> int:
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+
+    for flag, value in (("--straggler", args.straggler), ("--straggler-schedule", args.straggler_schedule),
+                        ("--jitter", args.jitter), ("--fault", args.fault), ("--independent", args.independent)):  # fmt: skip
+        if value:
+            print(f"syncasync-emulate: error: {flag} is not supported with --ft (yet); HINT: drop it", file=sys.stderr)
+            return 2
+    try:
+        cluster = ReplicaGroupCluster(
+            nodes=args.nodes, procs_per_node=args.procs_per_node, link_mbit=args.link_mbit, netns=not args.no_netns,
+            faults=args.node_faults, min_replicas=args.min_replicas, log_dir=args.log_dir,
+        )  # fmt: skip
+        report = cluster.run(command, timeout_s=args.timeout)
+    except (ValueError, EmulationUnavailable) as err:
+        print(f"syncasync-emulate: error: {err}", file=sys.stderr)
+        return 2
+    logging.info("finished in %.1fs; runs %s; logs in %s", report.wall_s,
+                 [(r.node, r.exit_code, "killed" if r.killed else "") for r in report.runs], cluster.log_dir)  # fmt: skip
+    if report.interrupted:
+        return 130
+    if report.failed:
+        logging.error("node %d failed with exit code %s; see %s", report.failed[0].node, report.failed[0].exit_code,
+                      report.failed[0].log)  # fmt: skip
+        return 1
     return 0
 
 

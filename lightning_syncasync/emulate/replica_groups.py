@@ -9,8 +9,9 @@ Lighthouse runs in node 0's namespace (its own process: killing node 0's job lea
 its own address to the others (``SYNCASYNC_FT_HOST``).
 
 Fault schedule: ``kill:1@10,start:1@25`` SIGKILLs node 1's job (every process of it) 10 s after the start and starts
-it again at 25 s; ``start:2@15`` alone starts node 2 at 15 s instead of at once (scale-out). Times are seconds from
-the start of the emulation.
+it again at 25 s; ``term:1@10`` sends it SIGTERM instead (a preemption notice: the node stops at its next step and
+leaves); ``start:2@15`` alone starts node 2 at 15 s instead of at once (scale-out). Times are seconds from the start
+of the emulation.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from lightning_syncasync.emulate.cluster import _tee, free_port
 from lightning_syncasync.emulate.network import EmulatedNetwork
 
 log = logging.getLogger(__name__)
-_EVENT = re.compile(r"^(kill|start):(\d+)@(\d+(?:\.\d+)?)$")
+_EVENT = re.compile(r"^(kill|term|start):(\d+)@(\d+(?:\.\d+)?)$")
 
 
 @dataclass(frozen=True)
 class NodeEvent:
-    """``kind`` (``kill`` or ``start``) of node ``node``, ``at_s`` seconds after the start."""
+    """``kind`` (``kill``, ``term`` or ``start``) of node ``node``, ``at_s`` seconds after the start."""
 
     kind: str
     node: int
@@ -56,7 +57,7 @@ def parse_node_faults(spec: str, nodes: int) -> list[NodeEvent]:
         if m is None:
             raise ValueError(
                 f"--node-faults item {item!r} is not KIND:NODE@SECONDS; HINT: kill:1@10 (SIGKILL node 1's job at "
-                "10 s), start:1@25 (start it again, or for the first time, at 25 s)"
+                "10 s), term:1@10 (SIGTERM), start:1@25 (start it again, or for the first time, at 25 s)"
             )
         kind, node, at = m.group(1), int(m.group(2)), float(m.group(3))
         if not 0 <= node < nodes:
@@ -66,10 +67,10 @@ def parse_node_faults(spec: str, nodes: int) -> list[NodeEvent]:
     alive = {n: True for n in range(nodes)}
     for n in {e.node for e in events}:
         first = next(e for e in events if e.node == n)
-        alive[n] = first.kind == "kill"  # a node whose first event is a start joins late
+        alive[n] = first.kind != "start"  # a node whose first event is a start joins late
     for e in events:
-        if (e.kind == "kill") != alive[e.node]:
-            state = "not running" if e.kind == "kill" else "running"
+        if (e.kind != "start") != alive[e.node]:
+            state = "running" if alive[e.node] else "not running"
             raise ValueError(f"--node-faults: {e.kind}:{e.node}@{e.at_s:g} but node {e.node} is {state} then")
         alive[e.node] = e.kind == "start"
     return events
@@ -192,7 +193,9 @@ class ReplicaGroupCluster:
                 self.network = EmulatedNetwork(self.nodes, self.link_mbit)
                 self.network.setup()
             lighthouse, report.lighthouse = self._start_lighthouse(log_dir, files)
-            late = {e.node for e in self.events if e.kind == "start"} - {e.node for e in self.events if e.kind == "kill"}
+            late = {e.node for e in self.events if e.kind == "start"} - {
+                e.node for e in self.events if e.kind != "start"
+            }
             for node in range(self.nodes):
                 if node not in late:
                     report.runs.append(self._start_node(node, command, report, log_dir, files, start))
@@ -203,6 +206,8 @@ class ReplicaGroupCluster:
                     event = pending.pop(0)
                     if event.kind == "kill":
                         self._kill_node(event.node, start)
+                    elif event.kind == "term":
+                        self._terminate_node(event.node, start)
                     else:
                         report.runs.append(self._start_node(event.node, command, report, log_dir, files, start))
                 for node, proc in list(self._procs.items()):
@@ -327,6 +332,18 @@ class ReplicaGroupCluster:
         run.exit_code, run.ended_at, run.killed = proc.returncode, time.monotonic() - start, scheduled
         if scheduled:
             log.info("node %d killed at %.1f s", node, run.ended_at)
+
+    def _terminate_node(self, node: int, start: float) -> None:
+        """SIGTERM to the node's job (every process: SLURM and torchrun signal every task); it ends by itself."""
+        proc = self._procs.get(node)
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        self._runs[node].killed = False
+        log.info("node %d sent SIGTERM at %.1f s", node, time.monotonic() - start)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop = True

@@ -52,6 +52,7 @@ from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.averaging.elastic import (
     LIGHTHOUSE_ENV,
     ElasticRounds,
+    ElasticStats,
     QuorumError,
     check_elastic,
     make_manager,
@@ -172,6 +173,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         self.peer_timeout_s = peer_timeout_s
         self.sync_stats = StatsRecorder(mode="hier")
         self.rounds: ElasticRounds | None = None
+        self.elastic_stats: ElasticStats | None = None  # the last fit's rounds (kept after teardown)
         self.manager: Any = None
         self._group: dist.ProcessGroup | None = None
         self._sigterm = SigtermScope()
@@ -278,6 +280,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             on_heal=self._healed,
             cut_timeout_s=self.quorum_timeout_s,
         )
+        self.elastic_stats = self.rounds.stats
         if self._restored is not None:
             self.rounds.load_state_dict(self._restored)
             self._restored = None

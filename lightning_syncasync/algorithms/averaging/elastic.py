@@ -150,6 +150,7 @@ class ElasticStats:
     committed_at: list[float] = field(default_factory=list)  # wall clock (time.time()) of each commit
     heals: int = 0  # times this group took a live peer's state
     healed_at: float | None = None  # wall clock of the last heal
+    joined_at: float | None = None  # wall clock when join() began (a joiner's wait for the others' round starts)
     samples_committed: int = 0  # this group's samples in committed rounds (this rank's view)
     samples_discarded: int = 0  # this group's samples dropped by a heal (its progress replaced by the quorum's)
     wait_s: float = 0.0  # the training loop's time blocked on rounds
@@ -258,6 +259,7 @@ class ElasticRounds:
         """Take part in one round with no progress: a fresh job's groups start from one model (torchft heals every
         group at step 0 from the first one), and a group joining a running job heals from a live peer here. Every
         group of a new job calls it; a running job's groups see it as one of their rounds."""
+        self.stats.joined_at = time.time()
         self._commit_round(self._launch(cut=False, gate=True))
         if self.staleness == 1:
             # The groups already running launched their next round as they committed this one: launch it too (with
