@@ -84,7 +84,8 @@ class NodeRun:
     started_at: float  # seconds from the emulation's start
     exit_code: int | None = None
     ended_at: float | None = None
-    killed: bool = False
+    killed: bool = False  # SIGKILLed by the schedule
+    terminated: bool = False  # sent SIGTERM by the schedule (Lightning then ends the node's fit with SIGTERMException)
     log: str = ""
 
 
@@ -106,7 +107,7 @@ class ReplicaGroupsReport:
     @property
     def failed(self) -> list[NodeRun]:
         """Runs that ended badly on their own (not killed by the schedule)."""
-        return [r for r in self.runs if not r.killed and r.exit_code not in (0, None)]
+        return [r for r in self.runs if not (r.killed or r.terminated) and r.exit_code not in (0, None)]
 
 
 class ReplicaGroupCluster:
@@ -342,7 +343,7 @@ class ReplicaGroupCluster:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        self._runs[node].killed = False
+        self._runs[node].terminated = True
         log.info("node %d sent SIGTERM at %.1f s", node, time.monotonic() - start)
 
     def _on_signal(self, signum: int, frame: object) -> None:

@@ -281,8 +281,8 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             cut_timeout_s=self.quorum_timeout_s,
         )
         self.elastic_stats = self.rounds.stats
-        if self._restored is not None:
-            self.rounds.load_state_dict(self._restored)
+        if self._restored is not None:  # a checkpoint read before setup (Lightning's order for some loaders)
+            _Checkpointed(self).load_state_dict(self._restored)
             self._restored = None
         self._joined = False
         stop = self._group if self.world_size > 1 else None
