@@ -63,12 +63,30 @@ def validate_config(cfg: DictConfig) -> None:
     num_nodes = trainer.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"trainer.num_nodes={num_nodes!r} is impossible; HINT: use trainer.num_nodes=1 or more")
+    if cfg.get("ft", 0):
+        _check_ft(cfg)
     strategy = trainer.get("strategy", "auto")
     if isinstance(strategy, str):
         from lightning_syncasync.strategies import check_strategy_name
 
         # "did you mean hier_sync?" and this package's names (a config group, strategy=hier_sync, also works).
         check_strategy_name(strategy, setting="trainer.strategy")
+
+
+def _check_ft(cfg: DictConfig) -> None:
+    """``ft=N``: a fault-tolerant strategy, one node per job, at least one node."""
+    nodes = cfg.ft
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 0:
+        raise ValueError(f"ft={nodes!r} is not a number of nodes; HINT: ft=2 runs 2 emulated nodes, ft=0 one job")
+    strategy = cfg.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(cfg.trainer.get("strategy"))
+    if not str(target).endswith("FaultTolerantStrategy") and not str(target).endswith("_ft"):
+        raise ValueError(
+            f"ft={nodes} runs one job per node joined through a Lighthouse, which only the fault-tolerant strategies "
+            f"do; the strategy is {target!r}. HINT: add strategy=hier_sync_ft (or strategy=async_ssp_ft)"
+        )
+    if cfg.trainer.get("num_nodes", 1) != 1:
+        raise ValueError(f"ft={nodes} makes one job per node itself; HINT: drop trainer.num_nodes (keep it 1)")
 
 
 def _instantiate(cfg: Any, **kwargs: Any) -> Any:
@@ -203,15 +221,7 @@ def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
     ``node{n}``), with ``ft_faults``; the results are node 0's last run's, with every run's exit listed."""
     from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
 
-    strategy = cfg.get("strategy")
-    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(cfg.trainer.get("strategy"))
-    if not str(target).endswith("FaultTolerantStrategy") and not str(target).endswith("_ft"):
-        raise ValueError(
-            f"ft={cfg.ft} runs one job per node joined through a Lighthouse, which only the fault-tolerant "
-            f"strategies do; strategy is {target!r}. HINT: add strategy=hier_sync_ft (or async_ssp_ft)"
-        )
-    if cfg.trainer.get("num_nodes", 1) != 1:
-        raise ValueError(f"ft={cfg.ft} makes the nodes itself; HINT: drop trainer.num_nodes")
+    validate_config(cfg)
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
     devices = cfg.trainer.get("devices", 1)

@@ -35,7 +35,9 @@ def main() -> None:
         "test", rank, world, f"group{group}", os.environ["TORCHFT_LIGHTHOUSE"], min_replicas=1, timeout_s=5.0,
         quorum_timeout_s=30.0,
     )  # fmt: skip
-    w = [torch.zeros(5), torch.zeros(2)]  # 7 elements: the last shard is padded with 2 ranks
+    # 7 elements: the last shard is padded with 2 ranks. ELASTIC_JOB_B changes the second tensor's length (a joiner
+    # with another model).
+    w = [torch.zeros(5), torch.zeros(int(os.environ.get("ELASTIC_JOB_B", "2")))]
     inner = {"count": torch.zeros(1)}  # the fake inner optimizer state a joiner must heal
 
     def save_extra() -> dict:

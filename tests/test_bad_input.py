@@ -48,6 +48,7 @@ from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
+from lightning_syncasync.strategies.fault_tolerant import FaultTolerantStrategy, check_reachable
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
 from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
@@ -112,6 +113,17 @@ def _emulate_without_root() -> None:
     ):
         argv = ["--nodes", "2", "--procs-per-node", "1", "--link-mbit", "100", "--no-cgroups", "--log-dir", logs]
         run_main(emulate_main, [*argv, "--", "true"])
+
+
+def _without_torchft() -> None:
+    # As on a machine where the ft extra is not installed.
+    with mock.patch.dict("sys.modules", {"torchft": None}):
+        Trainer(strategy="hier_sync_ft", accelerator="cpu", devices=1, logger=False)
+
+
+def _ft_spanning_nodes() -> None:
+    trainer = Trainer(strategy="hier_sync_ft", accelerator="cpu", devices=1, num_nodes=2, logger=False)
+    trainer.strategy.setup_environment()  # what fit() does first on every rank
 
 
 def _advise(*argv: str) -> Callable[[], None]:
@@ -573,6 +585,33 @@ CASES: list[Case] = [
     Case("emulate-without-root", "syncasync-emulate", "--link-mbit 100 (as a user without root)",
          _emulate_without_root, CommandFailed, r"network namespaces", r"HINT: run it with sudo, or pass --no-netns",
          LAUNCH),
+    Case("emulate-node-faults", "syncasync-emulate", "--ft --node-faults kill:5@10",
+         _emulate("--ft", "--node-faults", "kill:5@10", "--", "true"), CommandFailed, r"node 5 is outside",
+         r"0\.\.1", LAUNCH),
+    Case("emulate-node-faults-without-ft", "syncasync-emulate", "--node-faults kill:1@10 (without --ft)",
+         _emulate("--node-faults", "kill:1@10", "--", "true"), CommandFailed, r"--node-faults needs --ft",
+         r"HINT: add --ft", PARSING),
+    # strategy hier_sync_ft / async_ssp_ft (torchft)
+    Case("ft-torchft-missing", "strategy hier_sync_ft", "Trainer(strategy='hier_sync_ft') without torchft",
+         _without_torchft, ImportError, r"needs torchft", r'HINT: pip install "lightning-syncasync\[ft\]"'),
+    Case("ft-min-replicas", "strategy hier_sync_ft", "FaultTolerantStrategy(min_replicas=3, max_replicas=2)",
+         lambda: FaultTolerantStrategy(min_replicas=3, max_replicas=2), ValueError, r"min_replicas=3",
+         r"HINT: min_replicas <= 2"),
+    Case("ft-replica-group", "strategy hier_sync_ft", "FaultTolerantStrategy(replica_group=2, max_replicas=2)",
+         lambda: FaultTolerantStrategy(replica_group=2, max_replicas=2), ValueError, r"replica_group=2",
+         r"HINT: number the nodes 0 \.\. 1"),
+    Case("ft-staleness", "strategy hier_sync_ft", "FaultTolerantStrategy(staleness=2)",
+         lambda: FaultTolerantStrategy(staleness=2), ValueError, r"staleness must be 0 or 1", r"HINT: 0 is synchronous"),
+    Case("ft-compression", "strategy hier_sync_ft", "FaultTolerantStrategy(compression='int8')",
+         lambda: FaultTolerantStrategy(compression="int8"), ValueError, r"compression='int8'",
+         r"HINT: compression='none'"),
+    Case("ft-num-nodes", "strategy hier_sync_ft", "Trainer(strategy='hier_sync_ft', num_nodes=2)",
+         _ft_spanning_nodes, ValueError, r"num_nodes=2", r"HINT: start the same script on every node", SETUP),
+    Case("ft-lighthouse-unreachable", "strategy hier_sync_ft", "TORCHFT_LIGHTHOUSE=http://127.0.0.1:9 (nothing there)",
+         lambda: check_reachable("http://127.0.0.1:9", 1.0, "hier_sync_ft"), ConnectionError,
+         r"cannot reach the Lighthouse at http://127\.0\.0\.1:9", r"HINT: start it", SETUP),
+    Case("train-ft-strategy", "Hydra train app", "ft=2 strategy=hier_sync", _train_app("ft=2", "strategy=hier_sync"),
+         ValueError, r"ft=2", r"HINT: add strategy=hier_sync_ft", VALIDATION),
     # syncasync-advise
     Case("advise-seconds", "syncasync-advise", "--seconds 0", _advise("--seconds", "0"), CommandFailed,
          r"--seconds must be", r"HINT: e\.g\. --seconds 5", PARSING),

@@ -425,6 +425,8 @@ class ElasticRounds:
         """Wait for a round, vote, and apply it (committed) or carry it (not). Returns whether it committed."""
         try:
             agreed = rnd.future.result()
+        except ModelMismatchError:
+            raise  # this group is the one that cannot join: its own message says why
         except Exception as err:
             self._carry_back(rnd)
             raise QuorumError(

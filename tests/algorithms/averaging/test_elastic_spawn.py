@@ -48,7 +48,8 @@ class Lighthouse:
 class Group:
     """The ranks of one replica group (a job of its own), started as torchrun would."""
 
-    def __init__(self, out: Path, lighthouse: Lighthouse, group: int, ranks: int, args: list[str], tag: str = "") -> None:
+    def __init__(self, out: Path, lighthouse: Lighthouse, group: int, ranks: int, args: list[str], tag: str = "",
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         port = _free_port()
         self.out, self.group, self.ranks = out, group, ranks
         self.tag = f"g{group}{tag}"
@@ -56,7 +57,7 @@ class Group:
         for r in range(ranks):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=lighthouse.address, OMP_NUM_THREADS="1",
-                       RUST_LOG="warn")  # fmt: skip
+                       RUST_LOG="warn", **(env or {}))  # fmt: skip
             log = open(out / f"{self.tag}r{r}.log", "w")
             cmd = [sys.executable, str(JOB), str(self.result(r)), str(group), *args]
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -161,3 +162,15 @@ def test_a_restarted_group_heals_bitwise_from_a_live_peer(tmp_path, lighthouse):
         assert j["final"] == s["final"]
     present = [p for _s, p, _c, _n in survivors[0]["history"]]
     assert 1 in present and present[-1] == 2  # alone for a while, then joined again
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_with_another_model_is_refused_by_name_and_the_job_goes_on(tmp_path, lighthouse):
+    g0 = Group(tmp_path, lighthouse, 0, 1, ["100", "4", "0", "-1", "0.03"])
+    time.sleep(1.0)
+    other = Group(tmp_path, lighthouse, 1, 1, ["100", "4", "0"], env={"ELASTIC_JOB_B": "3"})
+    assert other.wait(60) != [0]
+    log = other.logs()
+    assert "ModelMismatchError" in log and "'b' of shape (3,)" in log and "'b' of shape (2,)" in log, log
+    assert g0.wait(90) == [0], g0.logs()
+    _check_exact(g0.load())  # the survivor's every step is counted once, the refused joiner contributed nothing
