@@ -6,10 +6,18 @@ CPU processes, like ``syncasync-train``. Importing this module registers the str
 
     syncasync-cli fit --trainer.callbacks+=lightning_syncasync.callbacks.SyncMonitor
     syncasync-cli fit --print_config > job.yaml && syncasync-cli fit --config job.yaml
+
+``--ft N`` (before the subcommand) runs a fault-tolerant job on this machine: a torchft Lighthouse and N jobs of the
+CLI, one per emulated node (``--trainer.strategy=hier_sync_ft`` or ``async_ssp_ft``), each under
+``ft/node{n}`` unless ``--trainer.default_root_dir`` is given; ``--ft-faults kill:1@20,start:1@40`` kills a node's job
+and starts it again::
+
+    syncasync-cli --ft 2 fit --trainer.strategy=hier_sync_ft --trainer.max_epochs=20
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,12 @@ class SyncAsyncCLI(LightningCLI):
         # model and data are built; here it gets "did you mean ...?" and this package's names, as a parser error.
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy")
+        if os.environ.get("SYNCASYNC_FT_NODE") and not _is_fault_tolerant(strategy):
+            parser = self._subcommand_parsers.get(self.subcommand, self.parser) if self.subcommand else self.parser
+            parser.error(
+                f"--ft runs one job per node joined through a Lighthouse, which only the fault-tolerant strategies "
+                f"do; --trainer.strategy is {strategy!r}. HINT: --trainer.strategy=hier_sync_ft (or async_ssp_ft)"
+            )
         if isinstance(strategy, str):
             try:
                 check_strategy_name(strategy, setting="--trainer.strategy")
@@ -102,8 +116,62 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> SyncAsyncCLI:
     )
 
 
+def _is_fault_tolerant(strategy: Any) -> bool:
+    if isinstance(strategy, str):
+        return strategy.endswith("_ft") or strategy.endswith("FaultTolerantStrategy")
+    class_path = getattr(strategy, "class_path", None) or (strategy.get("class_path") if isinstance(strategy, dict) else None)
+    return type(strategy).__name__ == "FaultTolerantStrategy" or str(class_path).endswith("FaultTolerantStrategy")
+
+
+def split_ft_args(argv: list[str]) -> tuple[int, str, list[str]]:
+    """``--ft N`` and ``--ft-faults SPEC`` (either ``--opt value`` or ``--opt=value``) out of ``argv``."""
+    nodes, faults, rest = 0, "", []
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name in ("--ft", "--ft-faults"):
+            if not eq:
+                value = next(it, "")
+            if name == "--ft":
+                try:
+                    nodes = int(value)
+                except ValueError:
+                    raise ValueError(f"--ft {value!r} is not a number of nodes; HINT: --ft 2") from None
+                if nodes < 1:
+                    raise ValueError(f"--ft {nodes} is not a number of nodes; HINT: --ft 2 runs 2 emulated nodes")
+            else:
+                faults = value
+        else:
+            rest.append(arg)
+    if faults and not nodes:
+        raise ValueError("--ft-faults needs --ft N; HINT: --ft 2 --ft-faults kill:1@20,start:1@40")
+    return nodes, faults, rest
+
+
+def _run_ft(nodes: int, faults: str, argv: list[str]) -> int:
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+
+    devices = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--trainer.devices=") and
+                    a.split("=", 1)[1].isdigit()), 2)  # fmt: skip
+    root = Path("ft").resolve()
+    if not any(a.startswith("--trainer.default_root_dir") for a in argv):
+        argv = [*argv, f"--trainer.default_root_dir={root}/node{{node}}"]
+    cluster = ReplicaGroupCluster(nodes=nodes, procs_per_node=devices, faults=faults, log_dir=root)
+    report = cluster.run([sys.executable, "-m", "lightning_syncasync.cli", *argv])
+    for r in report.runs:
+        print(f"syncasync-cli: node {r.node} exit {r.exit_code}{' (killed)' if r.killed else ''}: {r.log}")
+    return 1 if report.failed or report.interrupted else 0
+
+
 def main() -> None:
     """Entry point of ``syncasync-cli`` (returns nothing: a console script's return value becomes its exit status)."""
+    try:
+        nodes, faults, argv = split_ft_args(sys.argv[1:])
+    except ValueError as err:
+        sys.exit(f"syncasync-cli: error: {err}")
+    if nodes and not os.environ.get("SYNCASYNC_FT_NODE"):
+        sys.exit(_run_ft(nodes, faults, argv))
+    sys.argv[1:] = argv
     try:
         build_cli()
     except CLIExtraMissing as err:

@@ -245,7 +245,7 @@ def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="pkg://lightning_syncasync.conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Entry point of ``syncasync-train``. Returns ``cfg.optimized_metric`` for Hydra sweepers."""
-    if cfg.get("ft", 0) and not os.environ.get("REPLICA_GROUP_ID"):
+    if cfg.get("ft", 0) and not os.environ.get("SYNCASYNC_FT_NODE"):
         results = _run_fault_tolerant_job(cfg)
     elif HydraConfig.get().mode == RunMode.MULTIRUN and not os.environ.get(ENV_MULTIRUN_CHILD):
         results = _run_multirun_job_in_child(cfg)

@@ -37,6 +37,10 @@ from lightning_syncasync.emulate.cluster import _tee, free_port
 from lightning_syncasync.emulate.network import EmulatedNetwork
 
 log = logging.getLogger(__name__)
+
+# Set in every node's job started here: the front ends (syncasync-train ft=N, syncasync-cli --ft N) then run the job
+# itself instead of starting nodes again, and check that its strategy is a fault-tolerant one.
+FT_NODE_ENV = "SYNCASYNC_FT_NODE"
 _EVENT = re.compile(r"^(kill|term|start):(\d+)@(\d+(?:\.\d+)?)$")
 
 
@@ -292,7 +296,7 @@ class ReplicaGroupCluster:
         host = self.network.address(node) if self.network is not None else "127.0.0.1"
         env.update(
             TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(node), NUM_REPLICA_GROUPS=str(self.nodes),
-            MASTER_ADDR=host, MASTER_PORT=str(free_port()), **{FT_HOST_ENV: host},
+            MASTER_ADDR=host, MASTER_PORT=str(free_port()), **{FT_HOST_ENV: host, FT_NODE_ENV: str(node)},
         )  # fmt: skip
         if self.network is not None:
             env["GLOO_SOCKET_IFNAME"] = self.network.interface(node)

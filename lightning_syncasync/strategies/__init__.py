@@ -15,6 +15,7 @@ from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 from lightning_syncasync.strategies.async_ssp_sharded import ShardedAsyncSSPStrategy
 from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 from lightning_syncasync.strategies.deepspeed_cpu import DeepSpeedCPUStrategy
+from lightning_syncasync.strategies.fault_tolerant import FaultTolerantStrategy
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
 from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
@@ -24,6 +25,7 @@ __all__ = [
     "AsyncSSPStrategy",
     "AutoSyncStrategy",
     "DeepSpeedCPUStrategy",
+    "FaultTolerantStrategy",
     "HierSyncStrategy",
     "MeasuredDDPStrategy",
     "ShardedAsyncSSPStrategy",

@@ -187,3 +187,14 @@ def test_without_the_cli_extra_it_names_the_extra_and_prints_no_traceback(tmp_pa
     assert "syncasync-cli: error: syncasync-cli needs Lightning's CLI parser" in proc.stderr
     assert 'HINT: pip install "lightning-syncasync[cli]"' in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ft_options_come_out_of_the_cli_arguments():
+    from lightning_syncasync.cli import split_ft_args
+
+    assert split_ft_args(["--ft", "2", "fit", "--trainer.max_epochs=3"]) == (2, "", ["fit", "--trainer.max_epochs=3"])
+    assert split_ft_args(["--ft=3", "--ft-faults=kill:1@5", "fit"]) == (3, "kill:1@5", ["fit"])
+    for bad, match in ((["--ft", "two", "fit"], "--ft 'two'"), (["--ft", "0", "fit"], "--ft 0"),
+                       (["--ft-faults", "kill:1@5", "fit"], "--ft-faults needs --ft")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            split_ft_args(bad)
