@@ -119,7 +119,9 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> SyncAsyncCLI:
 def _is_fault_tolerant(strategy: Any) -> bool:
     if isinstance(strategy, str):
         return strategy.endswith("_ft") or strategy.endswith("FaultTolerantStrategy")
-    class_path = getattr(strategy, "class_path", None) or (strategy.get("class_path") if isinstance(strategy, dict) else None)
+    class_path = getattr(strategy, "class_path", None) or (
+        strategy.get("class_path") if isinstance(strategy, dict) else None
+    )
     return type(strategy).__name__ == "FaultTolerantStrategy" or str(class_path).endswith("FaultTolerantStrategy")
 
 

@@ -73,6 +73,15 @@ def main() -> None:
             "done": done,
         }
 
+    barrier = os.environ.get("ELASTIC_JOB_BARRIER")  # "DIR:N": wait until N ranks of all groups are up
+    if barrier:
+        folder, count = barrier.rsplit(":", 1)
+        open(os.path.join(folder, f"ready_{group}_{rank}"), "w").close()
+        deadline = time.time() + 120
+        while len([f for f in os.listdir(folder) if f.startswith("ready_")]) < int(count):
+            if time.time() > deadline:
+                raise TimeoutError(f"the other groups did not start within 120 s ({barrier})")
+            time.sleep(0.05)
     rounds.join()
     progress = 0.0  # this rank's own local progress (its own steps only), which must all be committed
     started = time.time()

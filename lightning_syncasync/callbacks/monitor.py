@@ -491,6 +491,11 @@ def _topology(trainer: pl.Trainer) -> dict[str, Any]:
 
 def _topology_text(summary: dict[str, Any]) -> str:
     nodes, machines = summary["num_nodes"], summary.get("machines", summary["num_nodes"])
+    if "participants_max" in summary:  # one node of a fault-tolerant job
+        return (
+            f"{summary['world_size']} rank(s) of node {summary['ft_node']} in a fault-tolerant job "
+            f"({summary['participants_min']}-{summary['participants_max']} node(s) per round)"
+        )
     if nodes == machines:
         return f"{summary['world_size']} rank(s) on {nodes} node(s)"
     return (
@@ -532,7 +537,15 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
     def mean(key: str) -> float:
         return sum(r[key] for r in ranks) / n
 
+    elastic = getattr(trainer.strategy, "elastic_stats", None)
+    present = list(getattr(elastic, "participants", None) or [])
+    nodes_present = (
+        {"ft_node": trainer.strategy.replica_group, "participants_min": min(present), "participants_max": max(present)}  # type: ignore[attr-defined]
+        if present
+        else {}
+    )
     return {
+        **nodes_present,
         "strategy": type(trainer.strategy).__name__,
         "mode": mode,
         "world_size": trainer.world_size,

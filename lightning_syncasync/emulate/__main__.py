@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run_ft(args: argparse.Namespace, command: list[str]) -> int:
     from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
 
-    for flag, value in (("--straggler", args.straggler), ("--straggler-schedule", args.straggler_schedule),
-                        ("--jitter", args.jitter), ("--fault", args.fault), ("--independent", args.independent)):  # fmt: skip
+    unsupported = (("--straggler", args.straggler), ("--straggler-schedule", args.straggler_schedule),
+                   ("--jitter", args.jitter), ("--fault", args.fault), ("--independent", args.independent))  # fmt: skip
+    for flag, value in unsupported:
         if value:
             print(f"syncasync-emulate: error: {flag} is not supported with --ft (yet); HINT: drop it", file=sys.stderr)
             return 2
@@ -180,8 +181,8 @@ def _run_ft(args: argparse.Namespace, command: list[str]) -> int:
     except (ValueError, EmulationUnavailable) as err:
         print(f"syncasync-emulate: error: {err}", file=sys.stderr)
         return 2
-    logging.info("finished in %.1fs; runs %s; logs in %s", report.wall_s,
-                 [(r.node, r.exit_code, "killed" if r.killed else "") for r in report.runs], cluster.log_dir)  # fmt: skip
+    runs = [(r.node, r.exit_code, "killed" if r.killed else "") for r in report.runs]
+    logging.info("finished in %.1fs; runs %s; logs in %s", report.wall_s, runs, cluster.log_dir)
     if report.interrupted:
         return 130
     if report.failed:

@@ -268,12 +268,14 @@ class ReplicaGroupCluster:
 
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}; see {log_dir / 'lighthouse.log'}")
+                raise RuntimeError(
+                    f"torchft_lighthouse exited with {proc.returncode}; see {log_dir / 'lighthouse.log'}"
+                )
             try:
                 probe = self.network.exec_prefix(0) if self.network is not None else []
                 if probe:
-                    ok = subprocess.run([*probe, sys.executable, "-c", f"import socket; socket.create_connection(('{host}', {port}), 1)"],
-                                        capture_output=True).returncode == 0  # fmt: skip
+                    check = f"import socket; socket.create_connection(('{host}', {port}), 1)"
+                    ok = subprocess.run([*probe, sys.executable, "-c", check], capture_output=True).returncode == 0
                 else:
                     socket.create_connection((host, port), 1).close()
                     ok = True

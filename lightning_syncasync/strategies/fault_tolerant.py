@@ -34,8 +34,8 @@ import logging
 import os
 import socket
 import time
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, Literal
 from urllib.parse import urlparse
 
@@ -58,8 +58,8 @@ from lightning_syncasync.algorithms.averaging.elastic import (
     make_manager,
     require_torchft,
 )
-from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_kwargs
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
@@ -142,14 +142,17 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         check_elastic(local_steps, staleness, min_replicas, max_replicas)
         check_outer(outer, outer_lr, outer_momentum)
         if not isinstance(replica_group, int) or replica_group < 0:
-            raise ValueError(f"replica_group must be an integer >= 0, got {replica_group!r}; HINT: 0 for the first node")
+            raise ValueError(
+                f"replica_group must be an integer >= 0, got {replica_group!r}; HINT: 0 for the first node"
+            )
         if max_replicas is not None and replica_group >= max_replicas:
             raise ValueError(
                 f"replica_group={replica_group} is not below max_replicas={max_replicas} ({NUM_REPLICA_GROUPS_ENV}); "
                 f"HINT: number the nodes 0 .. {max_replicas - 1}, or raise max_replicas to the most nodes there can be"
             )
         for setting, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
-                               ("connect_timeout_s", connect_timeout_s), ("peer_timeout_s", peer_timeout_s)):  # fmt: skip
+                               ("connect_timeout_s", connect_timeout_s),
+                               ("peer_timeout_s", peer_timeout_s)):  # fmt: skip
             if not value > 0:
                 raise ValueError(f"{setting} must be > 0 seconds, got {value!r}")
         if compression != "none":
@@ -252,7 +255,8 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         if not address:
             raise ValueError(
                 f"{self.strategy_name} needs a Lighthouse: lighthouse= is not set and {LIGHTHOUSE_ENV} is empty. "
-                f"HINT: start `torchft_lighthouse --min_replicas 1` on one host and set {LIGHTHOUSE_ENV}=http://HOST:29510 "
+                f"HINT: start `torchft_lighthouse --min_replicas 1` on one host and set "
+                f"{LIGHTHOUSE_ENV}=http://HOST:29510 "
                 "on every node (syncasync-train ft=true starts one for a job on this machine)"
             )
         check_reachable(address, self.connect_timeout_s, self.strategy_name)
@@ -388,7 +392,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
                     f"the live node's optimizer state does not fit this node's optimizer ({err}); HINT: start the "
                     "node with the same configure_optimizers as the others"
                 ) from err
-        for config, saved in zip(self.lr_scheduler_configs, state["schedulers"]):
+        for config, saved in zip(self.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         self._set_progress(int(state["global_step"]), int(state["epoch"]))
         self._skip_batches = int(state.get("batch", 0))
@@ -542,4 +546,3 @@ def _env_int(var: str, setting: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{var}={value!r} is not an integer ({setting}); HINT: 0, 1, ... for the nodes") from None
-

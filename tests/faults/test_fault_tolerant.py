@@ -24,8 +24,8 @@ TIMEOUT_S = 5.0  # strategy.timeout_s: the bound on a round's collective with a 
 
 
 def _ft_job(out: Path, faults: str, *overrides: str, nodes: int = 2, timeout: float = 300) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                            "LOCAL_RANK", "REPLICA_GROUP_ID", "PL_GLOBAL_SEED")}  # fmt: skip
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "REPLICA_GROUP_ID", "PL_GLOBAL_SEED")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     cmd = [sys.executable, "-m", "lightning_syncasync.train", "strategy=hier_sync_ft", f"ft={nodes}",
            f"ft_faults='{faults}'", f"strategy.timeout_s={TIMEOUT_S}", "logger=[]", f"hydra.run.dir={out}",
            *overrides]  # fmt: skip

@@ -129,7 +129,7 @@ def _fingerprint(signature: list[tuple[str, tuple[int, ...]]]) -> int:
 
 def first_difference(ours: list[tuple[str, tuple[int, ...]]], theirs: list[tuple[str, tuple[int, ...]]]) -> str | None:
     """A sentence naming the first parameter where two signatures differ, or ``None`` when they agree."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):  # a length difference is reported below
         if a != b:
             return f"parameter {i}: this node has {a[0]!r} of shape {a[1]}, the quorum has {b[0]!r} of shape {b[1]}"
     if len(ours) != len(theirs):
@@ -464,7 +464,9 @@ class ElasticRounds:
         if not committed or not agreed:
             self._carry_back(rnd)
             self.stats.failed += 1
-            log.info("elastic round not committed (step %d): its progress goes into the next", self.manager.current_step())
+            log.info(
+                "elastic round not committed (step %d): its progress goes into the next", self.manager.current_step()
+            )
             return False
         self._apply(rnd, header, replace)
         return True

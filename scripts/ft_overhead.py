@@ -1,0 +1,112 @@
+"""What fault tolerance costs with no fault, and what a preempted node costs: ``hier_sync`` (one world over both
+nodes) against ``hier_sync_ft`` (one job per node, torchft's Lighthouse and process groups), side by side in one
+invocation, on ``slow_link``'s cluster and workload (2 nodes x 2 ranks, 100 Mbit/s between the nodes, the transformer
+LM), with ``hier_sync_ft`` also run with node 1 SIGKILLed at 30% of its fault-free run's wall time and started again
+at 60%.
+
+    python scripts/ft_overhead.py --repeats 2 --steps 40 --out docs/results/ft_overhead.json --doc
+
+Neither run caps CPU shares (the replica-group emulator has no cgroups yet): 4 ranks share this machine's cores in
+both, so the ratio compares like with like, and the absolute samples/s are this machine's. Every run is the real
+``syncasync-emulate`` (network namespaces, root) and ``syncasync-train``; the figures come from their results.json.
+``--doc`` writes the table into docs/fault_tolerance.md between its ``ft:overhead`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lightning_syncasync.bench.scenarios import lookup
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "fault_tolerance.md"
+
+
+def _run(contender: str, steps: int, seed: int, out: Path, faults: str = "") -> dict:
+    scenario = lookup("slow_link")
+    assert scenario is not None
+    train = ["syncasync-train", *scenario.overrides, f"trainer.max_steps={steps}", "trainer.max_epochs=-1",
+             f"seed={seed}", "logger=[]"]  # fmt: skip
+    emulate = ["syncasync-emulate", "--nodes", "2", "--procs-per-node", "2", "--link-mbit", "100", "--log-dir",
+               str(out)]  # fmt: skip
+    if contender == "hier_sync":
+        cmd = [*emulate, "--no-cgroups", "--", *train, "strategy=hier_sync", "trainer.num_nodes=2",
+               "trainer.devices=2", f"hydra.run.dir={out}/run"]  # fmt: skip
+        results = [out / "run" / "results.json"]
+    else:
+        cmd = [*emulate, "--ft", *(["--node-faults", faults] if faults else []), "--", *train,
+               "strategy=hier_sync_ft", "trainer.devices=2", f"hydra.run.dir={out}/node{{node}}"]  # fmt: skip
+        results = [out / "node0" / "results.json", out / "node1" / "results.json"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{contender} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    found = [json.loads(p.read_text()) for p in results if p.is_file()]
+    samples_per_s = sum(r["sync_summary"]["global_samples_per_s"] for r in found)
+    metric = statistics.mean(r["metrics"]["val_acc"] for r in found)
+    # Samples trained over the whole run (every node's ranks), per second of the job's wall time.
+    samples = sum(sum(rank["steps"] for rank in r["sync_summary"]["ranks"]) * 16 for r in found)
+    return {"contender": contender + (" (node 1 killed at 30%, back at 60%)" if faults else ""), "seed": seed,
+            "samples_per_s": samples_per_s, "val_acc": metric, "wall_s": wall, "goodput": samples / wall,
+            "faults": faults}  # fmt: skip
+
+
+def _table(records: list[dict]) -> str:
+    rows = ["| contender | runs | samples/s (median, SyncMonitor, both nodes) | vs hier_sync | val_acc (median) | "
+            "samples per wall second (goodput) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    names = list(dict.fromkeys(r["contender"] for r in records))
+    base = statistics.median(r["samples_per_s"] for r in records if r["contender"] == "hier_sync")
+    for name in names:
+        rs = [r for r in records if r["contender"] == name]
+        sps = statistics.median(r["samples_per_s"] for r in rs)
+        rows.append(
+            f"| `{name}` | {len(rs)} | {sps:.1f} | {sps / base:.2f}x | "
+            f"{statistics.median(r['val_acc'] for r in rs):.4f} | {statistics.median(r['goodput'] for r in rs):.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per rank (slow_link's quick budget: 40)")
+    p.add_argument("--out", default=None, help="results JSON")
+    p.add_argument("--doc", action="store_true", help="write the table into docs/fault_tolerance.md")
+    p.add_argument("--no-faults", action="store_true", help="skip the preempted run")
+    args = p.parse_args()
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="ft-overhead-") as tmp:
+        for rep in range(args.repeats):
+            order = ["hier_sync", "hier_sync_ft"] if rep % 2 == 0 else ["hier_sync_ft", "hier_sync"]
+            for contender in order:
+                rec = _run(contender, args.steps, rep, Path(tmp) / f"{contender}{rep}")
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+            if not args.no_faults:
+                clean = [r["wall_s"] for r in records if r["contender"] == "hier_sync_ft"][-1]
+                faults = f"kill:1@{0.3 * clean:.1f},start:1@{0.6 * clean:.1f}"
+                rec = _run("hier_sync_ft", args.steps, rep, Path(tmp) / f"preempted{rep}", faults)
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+    table = _table(records)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "records": records}, indent=2))
+    if args.doc:
+        text = DOC.read_text()
+        head, _, rest = text.partition("<!-- ft:overhead -->")
+        _, _, tail = rest.partition("<!-- ft:end -->")
+        DOC.write_text(f"{head}<!-- ft:overhead -->\n{table}\n<!-- ft:end -->{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
