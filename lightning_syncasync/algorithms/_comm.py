@@ -255,6 +255,28 @@ def check_same_on_every_rank(owner: str, settings: dict[str, Any], group: dist.P
         )
 
 
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Global rank ``src``'s ``obj`` on every rank of ``group`` (two broadcasts: the size, then the bytes).
+
+    ``torch.save``'s bytes, read back with ``weights_only=True``: tensors, numbers, strings and containers of them
+    (optimizer and scheduler state dicts), never code, as ``torch.load`` reads a checkpoint."""
+    import io
+
+    mine = dist.get_rank() == src
+    size = torch.zeros(1, dtype=torch.int64, device="cpu")
+    data = torch.empty(0, dtype=torch.uint8, device="cpu")
+    if mine:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size[0] = data.numel()
+    broadcast_(size, src, group)
+    if not mine:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
+    broadcast_(data, src, group)
+    return obj if mine else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
 def all_gather_state(state: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``state`` (nested dicts/lists of tensors and plain values, the same layout on every rank, e.g.
     a compressor's residuals), on every rank, in rank order, its tensors on the CPU: it goes into checkpoints, and

@@ -91,6 +91,8 @@ EXCLUDED_AT_WORLD_SIZE_1: dict[str, str] = {
     # It does run at one rank (on CPU); on CUDA it is Lightning's DeepSpeedStrategy unchanged, and DeepSpeed's start
     # (an optional dependency that may build CUDA ops) does not fit the check's time budget.
     "deepspeed_cpu": "on CUDA it is Lightning's own DeepSpeedStrategy unchanged; needs the optional deepspeed package",
+    "hier_sync_ft": "one job per node joined through a torchft Lighthouse: needs a Lighthouse (syncasync-train ft=N)",
+    "async_ssp_ft": "one job per node joined through a torchft Lighthouse: needs a Lighthouse (syncasync-train ft=N)",
 }
 # The transformer demo at its Hydra defaults (conf/model/transformer_lm.yaml, conf/data/text.yaml): ~3 M parameters.
 MODEL_KWARGS: dict[str, Any] = {

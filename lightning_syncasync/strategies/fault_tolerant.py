@@ -59,6 +59,7 @@ from lightning_syncasync.algorithms.averaging.elastic import (
     require_torchft,
 )
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_kwargs
@@ -67,6 +68,7 @@ from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.async_ssp import DivergenceError
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +259,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
                 f"{self.strategy_name} needs a Lighthouse: lighthouse= is not set and {LIGHTHOUSE_ENV} is empty. "
                 f"HINT: start `torchft_lighthouse --min_replicas 1` on one host and set "
                 f"{LIGHTHOUSE_ENV}=http://HOST:29510 "
-                "on every node (syncasync-train ft=true starts one for a job on this machine)"
+                "on every node (syncasync-train ft=2 starts one, and 2 nodes, on this machine)"
             )
         check_reachable(address, self.connect_timeout_s, self.strategy_name)
         quiet_torchft_logs()
@@ -503,6 +505,12 @@ class _NamesLighthouse:
     def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
         if isinstance(err, QuorumError) and self.address not in str(err):
             raise QuorumError(f"{err} (Lighthouse: {self.address})") from err
+        if isinstance(err, NonFiniteRoundError):
+            raise DivergenceError(
+                f"this node's progress in round {err.index} was not finite (nan or inf); stopped before it reached "
+                "the other nodes, which go on without it. HINT: lower the learning rate (or fix the loss), then "
+                "start the node again: it heals from a live node"
+            ) from err
         return False
 
 

@@ -59,9 +59,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat
+from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_, broadcast_object
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
+from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -349,8 +350,8 @@ class ElasticRounds:
         agree by construction (DDP steps the ranks together); wall-clock ones need the all-reduce."""
         if self.node_group is None or self.node_size == 1 or not self.dynamic:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.node_group)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
+        all_reduce_(t, self.node_group, dist.ReduceOp.MAX)
         return bool(t.item())
 
     def _end_round(self) -> None:
@@ -374,14 +375,19 @@ class ElasticRounds:
         """Snapshot this rank's progress and start the round's quorum and exchange (on the thread unless ``gate``)."""
         theta = self._shard()
         delta = self._base - theta
+        if not bool(torch.isfinite(delta).all()):
+            # Before anything leaves the node: a NaN or an infinity in the global model would reach every node. The
+            # ranks of a node hold the same replica (DDP), so they all stop here, and the other nodes go on.
+            raise NonFiniteRoundError(self.stats.committed)
         self._base = theta
         samples = self._samples
         if self._carry is not None:
             delta += self._carry
             samples += self._carry_samples
             self._carry, self._carry_samples = None, 0
-        payload = torch.zeros(_HEADER + self.shard_numel, dtype=torch.float32)
-        header = torch.zeros(_HEADER, dtype=torch.float64)
+        # On the CPU: the exchange goes over torchft's gloo process group (make_manager).
+        payload = torch.zeros(_HEADER + self.shard_numel, dtype=torch.float32, device="cpu")
+        header = torch.zeros(_HEADER, dtype=torch.float64, device="cpu")
         header[0] = 1.0 if samples > 0 else 0.0
         header[1] = 1.0
         header[2] = float(self.numel)
@@ -445,8 +451,8 @@ class ElasticRounds:
             # torchft decides the heal per local rank, and at step 0 (every group new, init_sync) it takes each
             # local rank's shard from a different group: some ranks of a group heal, the others are the source of
             # their shard. The group heals as a whole: a source rank's own state stands for the healed one.
-            flag = torch.tensor([0 if healed is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group)
+            flag = torch.tensor([0 if healed is None else 1], dtype=torch.int32, device="cpu")
+            all_reduce_(flag, self.node_group, dist.ReduceOp.MAX)
             if int(flag.item()) and healed is None:
                 healed = self._heal_state()
         if healed is not None:
@@ -513,9 +519,8 @@ class ElasticRounds:
         of that group need not have been at the same point then. What the group's ranks must agree on (the inner
         optimizer state, the loop's counters, how far the peers were into their next round) is local rank 0's."""
         if self.node_group is not None and self.node_size > 1:
-            shared = [{"extra": healed.get("extra"), "round_steps": healed.get("round_steps")}]
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.node_group, 0), group=self.node_group)
-            healed = {**healed, **shared[0]}
+            shared = {"extra": healed.get("extra"), "round_steps": healed.get("round_steps")}
+            healed = {**healed, **broadcast_object(shared, dist.get_global_rank(self.node_group, 0), self.node_group)}
         if self.extra_state is not None and healed.get("extra") is not None:
             self.extra_state[1](healed["extra"])
         self.outer.load_state_dict(healed["outer"])
@@ -587,7 +592,7 @@ class ElasticRounds:
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         if self.node_size == 1:
             return shard
-        out = torch.empty(self.shard_numel * self.node_size, dtype=shard.dtype)
+        out = torch.empty(self.shard_numel * self.node_size, dtype=shard.dtype, device="cpu")
         all_gather_flat(out, shard.contiguous(), self.node_group)
         return out
 
@@ -638,14 +643,16 @@ def make_manager(
     reconfigures over this local rank of every group present (gloo on the CPU, NCCL on CUDA).
 
     ``use_async_quorum=False``: a group that heals takes the live peer's state before the round's exchange and then
-    takes part in it, and nothing it computed before healing is mixed into the quorum's model."""
+    takes part in it, and nothing it computed before healing is mixed into the quorum's model.
+
+    gloo on every device: the rounds exchange a CPU copy of the shard (what ``SYNCASYNC_EXCHANGE_BACKEND=gloo`` does
+    for the other strategies' background exchanges). torchft's ``ProcessGroupNCCL`` would keep a GPU job's exchange on
+    the device; it is not used until it has been run on a GPU (docs/fault_tolerance.md)."""
     torchft = require_torchft(owner)
     timeout = timedelta(seconds=timeout_s)
     host = os.environ.get(FT_HOST_ENV) or socket.gethostname()
-    if device is not None and device.type == "cuda":
-        pg = torchft.ProcessGroupNCCL(timeout=timeout)
-    else:
-        pg = torchft.ProcessGroupGloo(timeout=timeout)
+    del device
+    pg = torchft.ProcessGroupGloo(timeout=timeout)
     return torchft.Manager(
         pg=pg,
         load_state_dict=None,

@@ -178,3 +178,33 @@ def test_a_joiner_with_another_model_is_refused_by_name_and_the_job_goes_on(tmp_
     assert "ModelMismatchError" in log and "'b' of shape (3,)" in log and "'b' of shape (2,)" in log, log
     assert g0.wait(90) == [0], g0.logs()
     _check_exact(g0.load())  # the survivor's every step is counted once, the refused joiner contributed nothing
+
+
+class _NoQuorum:
+    """What ElasticRounds touches before a round leaves the node; any quorum call fails the test."""
+
+    def register_state_dict_fn(self, key, load, save):
+        pass
+
+    def allow_state_dict_read(self):
+        pass
+
+    def disallow_state_dict_read(self):
+        pass
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a non-finite round reached the manager ({name})")
+
+
+def test_a_non_finite_round_never_leaves_the_node():
+    import torch
+
+    from lightning_syncasync.algorithms.averaging.elastic import ElasticRounds
+    from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
+
+    w = [torch.zeros(3)]
+    rounds = ElasticRounds(w, _NoQuorum(), local_steps=2, staleness=0)
+    rounds.after_step()
+    w[0][1] = float("nan")
+    with pytest.raises(NonFiniteRoundError):
+        rounds.after_step()  # the round's end: refused before its quorum
