@@ -16,11 +16,11 @@ of the emulation.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +41,15 @@ log = logging.getLogger(__name__)
 # Set in every node's job started here: the front ends (syncasync-train ft=N, syncasync-cli --ft N) then run the job
 # itself instead of starting nodes again, and check that its strategy is a fault-tolerant one.
 FT_NODE_ENV = "SYNCASYNC_FT_NODE"
+_LIGHTHOUSE = (
+    "import sys, time\n"
+    "from torchft._torchft import LighthouseServer\n"
+    "server = LighthouseServer(bind=sys.argv[1], min_replicas=int(sys.argv[2]), join_timeout_ms=int(sys.argv[3]),\n"
+    "                          quorum_tick_ms=50, heartbeat_timeout_ms=int(sys.argv[4]))\n"
+    "print(server.address(), flush=True)\n"
+    "while True:\n"
+    "    time.sleep(3600)\n"
+)
 _EVENT = re.compile(r"^(kill|term|start):(\d+)@(\d+(?:\.\d+)?)$")
 
 
@@ -160,10 +169,10 @@ class ReplicaGroupCluster:
                 f"min_replicas={min_replicas} must be between 1 and the {nodes} node(s) that can exist; HINT: 1 lets "
                 "a lone survivor train on"
             )
-        if shutil.which("torchft_lighthouse") is None:
+        if importlib.util.find_spec("torchft") is None:
             from lightning_syncasync.algorithms.averaging.elastic import FT_HINT
 
-            raise ValueError(f"the fault-tolerant emulation needs torchft's torchft_lighthouse, not found. {FT_HINT}")
+            raise ValueError(f"the fault-tolerant emulation needs torchft (its Lighthouse), not installed. {FT_HINT}")
         self.nodes, self.procs_per_node, self.link_mbit, self.netns = nodes, procs_per_node, link_mbit, netns
         self.events = parse_node_faults(faults, nodes)
         self.min_replicas, self.join_timeout_ms, self.heartbeat_timeout_ms = (
@@ -253,9 +262,10 @@ class ReplicaGroupCluster:
     def _start_lighthouse(self, log_dir: Path, files: list[IO[bytes]]) -> tuple[subprocess.Popen, str]:
         port = free_port()
         host = self.network.address(0) if self.network is not None else "127.0.0.1"
-        cmd = ["torchft_lighthouse", "--min_replicas", str(self.min_replicas), "--bind", f"[::]:{port}",
-               "--join_timeout_ms", str(self.join_timeout_ms), "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms),
-               "--quorum_tick_ms", "50"]  # fmt: skip
+        # torchft's Lighthouse server (what its torchft_lighthouse script runs), started from this interpreter: the
+        # script's folder need not be on PATH (a virtual environment used without activating it).
+        cmd = [sys.executable, "-c", _LIGHTHOUSE, f"[::]:{port}", str(self.min_replicas), str(self.join_timeout_ms),
+               str(self.heartbeat_timeout_ms)]  # fmt: skip
         if self.network is not None:
             cmd = self.network.exec_prefix(0) + cmd
         out = open(log_dir / "lighthouse.log", "wb")  # noqa: SIM115 - closed by run()
