@@ -42,9 +42,10 @@ def _run(contender: str, steps: int, seed: int, out: Path, faults: str = "", syn
                *(["strategy.max_delay=0"] if sync else [])]  # fmt: skip
         results = [out / "run" / "results.json"]
     else:
+        extra = ["strategy.exchange=torchft_diloco"] if contender == "torchft_diloco" else []
         cmd = [*emulate, "--ft", *(["--node-faults", faults] if faults else []), "--", *train,
                "strategy=hier_sync_ft", "trainer.devices=2", f"hydra.run.dir={out}/node{{node}}",
-               *(["strategy.staleness=0"] if sync else [])]  # fmt: skip
+               *(["strategy.staleness=0"] if sync and not extra else []), *extra]  # fmt: skip
         results = [out / "node0" / "results.json", out / "node1" / "results.json"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -65,7 +66,8 @@ def _table(records: list[dict]) -> str:
     rows = ["| contender | runs | samples/s (median, SyncMonitor, both nodes) | vs hier_sync | val_acc (median) | "
             "samples per wall second (goodput) |", "|---|---|---|---|---|---|"]  # fmt: skip
     names = list(dict.fromkeys(r["contender"] for r in records))
-    base = statistics.median(r["samples_per_s"] for r in records if r["contender"] == "hier_sync")
+    base_runs = [r["samples_per_s"] for r in records if r["contender"] == "hier_sync"]
+    base = statistics.median(base_runs) if base_runs else float("nan")
     for name in names:
         rs = [r for r in records if r["contender"] == name]
         sps = statistics.median(r["samples_per_s"] for r in rs)
@@ -86,6 +88,13 @@ def main() -> int:
     p.add_argument("--doc", action="store_true", help="write the table into docs/fault_tolerance.md")
     p.add_argument("--no-faults", action="store_true", help="skip the preempted run")
     p.add_argument(
+        "--contenders",
+        default="hier_sync,hier_sync_ft",
+        help="among hier_sync, hier_sync_ft and torchft_diloco (torchft's own DiLoCo on hier_sync_ft's launch); every "
+        "fault-tolerant one is also run preempted unless --no-faults",
+    )
+    p.add_argument("--marker", default="ft:overhead", help="the docs/fault_tolerance.md marker --doc writes under")
+    p.add_argument(
         "--sync",
         action="store_true",
         help="synchronous rounds in both (hier_sync max_delay=0, hier_sync_ft staleness=0): the same algorithm, so "
@@ -96,15 +105,17 @@ def main() -> int:
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ft-overhead-") as tmp:
         for rep in range(args.repeats):
-            order = ["hier_sync", "hier_sync_ft"] if rep % 2 == 0 else ["hier_sync_ft", "hier_sync"]
+            order = [c.strip() for c in args.contenders.split(",") if c.strip()]
+            order = order[rep % len(order) :] + order[: rep % len(order)]  # rotated: drift favours nobody
             for contender in order:
                 rec = _run(contender, args.steps, rep, Path(tmp) / f"{contender}{rep}", sync=args.sync)
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
-            if not args.no_faults:
-                clean = [r["wall_s"] for r in records if r["contender"] == "hier_sync_ft"][-1]
-                faults = f"kill:1@{0.3 * clean:.1f},start:1@{0.6 * clean:.1f}"
-                rec = _run("hier_sync_ft", args.steps, rep, Path(tmp) / f"preempted{rep}", faults, sync=args.sync)
+                if args.no_faults or contender == "hier_sync":
+                    continue
+                faults = f"kill:1@{0.3 * rec['wall_s']:.1f},start:1@{0.6 * rec['wall_s']:.1f}"
+                out = Path(tmp) / f"{contender}_preempted{rep}"
+                rec = _run(contender, args.steps, rep, out, faults, sync=args.sync)
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
     table = _table(records)
@@ -113,9 +124,10 @@ def main() -> int:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "records": records}, indent=2))
     if args.doc:
         text = DOC.read_text()
-        head, _, rest = text.partition("<!-- ft:overhead -->")
-        _, _, tail = rest.partition("<!-- ft:end -->")
-        DOC.write_text(f"{head}<!-- ft:overhead -->\n{table}\n<!-- ft:end -->{tail}")
+        start, end = f"<!-- {args.marker} -->", "<!-- ft:end -->"
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        DOC.write_text(f"{head}{start}\n{table}\n{end}{tail}")
     return 0
 
 

@@ -103,6 +103,12 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             ``min_replicas`` nodes alive) before the run ends with an error.
         connect_timeout_s: how long reaching the Lighthouse may take at start.
         compression: only ``"none"``: the rounds are exchanged in fp32 over torchft's process group.
+        exchange: ``"elastic"`` (the pack's rounds, above) or ``"torchft_diloco"``: torchft's own
+            ``torchft.local_sgd.DiLoCo`` as it is (one fragment, the whole module; outer SGD with Nesterov momentum at
+            ``outer_lr``/``outer_momentum``; every ``local_steps`` steps), on the same launch, as the anchor the
+            benchmarks compare with. It has no consistent cuts (each node validates its own weights), does not heal
+            the inner optimizer or the loop's counters, and ``staleness``/``outer``/``dynamic_local_steps`` do not
+            apply to it.
         peer_timeout_s: the watchdog's bound on a lost rank inside the node (DDP).
         **kwargs: what ``DDPStrategy`` takes.
 
@@ -132,6 +138,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         quorum_timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
         compression: Literal["none"] = "none",
+        exchange: Literal["elastic", "torchft_diloco"] = "elastic",
         peer_timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
@@ -175,6 +182,13 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         self.lighthouse = lighthouse
         self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = timeout_s, quorum_timeout_s, connect_timeout_s
         self.compression = compression
+        if exchange not in ("elastic", "torchft_diloco"):
+            raise ValueError(
+                f"exchange must be 'elastic' or 'torchft_diloco', got {exchange!r}; HINT: 'elastic' is this pack's "
+                "rounds, 'torchft_diloco' torchft's own DiLoCo (the benchmarks' anchor)"
+            )
+        self.exchange = exchange
+        self._diloco: Any = None
         self.peer_timeout_s = peer_timeout_s
         self.sync_stats = StatsRecorder(mode="hier")
         self.rounds: ElasticRounds | None = None
@@ -268,6 +282,9 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             self.strategy_name, self.global_rank, self.world_size, f"syncasync_{self.replica_group}", address,
             self.min_replicas, self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s, device=self.root_device,
         )  # fmt: skip
+        if self.exchange == "torchft_diloco":
+            self._sigterm.install(trainer, self._group if self.world_size > 1 else None)
+            return  # torchft's DiLoCo is built at the start of training (it needs the optimizer)
         named = [(n, p) for n, p in module.named_parameters()]
         named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
         self.rounds = ElasticRounds(
@@ -298,6 +315,8 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
     def on_train_start(self) -> None:
         super().on_train_start()
         # After a checkpoint was restored (Lightning restores after setup): a live job's state wins over it.
+        if self.exchange == "torchft_diloco" and self.manager is not None and self._diloco is None:
+            self._start_diloco()
         if self.rounds is not None and not self._joined:
             self._joined = True
             with self._named_errors():
@@ -308,6 +327,22 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
                 f"{self.manager.current_step()} with {present} node(s) present"
                 + (" (healed from a live node)" if self.rounds.stats.heals else "")
             )
+
+    def _start_diloco(self) -> None:
+        """torchft's DiLoCo as it is: its hooks on the inner optimizer run the quorum and the outer step every
+        ``local_steps`` steps, and it registers its own heal state (the backup weights, the outer optimizer)."""
+        import torch
+        from torchft.local_sgd import DiLoCo
+
+        module = self.lightning_module
+        assert module is not None and len(self.optimizers) == 1, "torchft_diloco: one optimizer"
+        inner = unwrap_optimizer(self.optimizers[0])
+        outer = torch.optim.SGD(module.parameters(), lr=self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+        self._diloco = DiLoCo(
+            self.manager, [module], inner, outer, sync_every=self.local_steps, pin_memory=False,
+        )  # fmt: skip
+        self._diloco.__enter__()
+        rank_zero_info(f"{self.strategy_name}: node {self.replica_group} runs torchft's DiLoCo (the anchor)")
 
     # -- the training step ---------------------------------------------------------------------------------------
 
@@ -434,6 +469,9 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
 
     @override
     def teardown(self) -> None:
+        if self._diloco is not None:
+            self._diloco.__exit__(None, None, None)
+            self._diloco = None
         try:
             if self.rounds is not None:
                 self.rounds.close()
