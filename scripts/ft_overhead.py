@@ -72,7 +72,8 @@ def _table(records: list[dict]) -> str:
         rs = [r for r in records if r["contender"] == name]
         sps = statistics.median(r["samples_per_s"] for r in rs)
         # A restarted node's SyncMonitor rate is over its own, shorter run: summed, it is no job throughput.
-        shown = "(n/a: a node restarted) | -" if rs[0]["faults"] else f"{sps:.1f} | {sps / base:.2f}x"
+        ratio = f"{sps / base:.2f}x" if base == base else "-"  # nan: no hier_sync run in this invocation
+        shown = "(n/a: a node restarted) | -" if rs[0]["faults"] else f"{sps:.1f} | {ratio}"
         rows.append(
             f"| `{name}` | {len(rs)} | {shown} | "
             f"{statistics.median(r['val_acc'] for r in rs):.4f} | {statistics.median(r['goodput'] for r in rs):.1f} |"
@@ -94,6 +95,7 @@ def main() -> int:
         "fault-tolerant one is also run preempted unless --no-faults",
     )
     p.add_argument("--marker", default="ft:overhead", help="the docs/fault_tolerance.md marker --doc writes under")
+    p.add_argument("--from", dest="source", default=None, help="render the table of a results file; run nothing")
     p.add_argument(
         "--sync",
         action="store_true",
@@ -103,8 +105,10 @@ def main() -> int:
     )
     args = p.parse_args()
     records: list[dict] = []
+    if args.source:
+        records = json.loads(Path(args.source).read_text())["records"]
     with tempfile.TemporaryDirectory(prefix="ft-overhead-") as tmp:
-        for rep in range(args.repeats):
+        for rep in range(0 if args.source else args.repeats):
             order = [c.strip() for c in args.contenders.split(",") if c.strip()]
             order = order[rep % len(order) :] + order[: rep % len(order)]  # rotated: drift favours nobody
             for contender in order:
@@ -120,7 +124,7 @@ def main() -> int:
                 records.append(rec)
     table = _table(records)
     print(table)
-    if args.out:
+    if args.out and not args.source:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "records": records}, indent=2))
     if args.doc:
         text = DOC.read_text()
