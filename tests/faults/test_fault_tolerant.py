@@ -104,3 +104,15 @@ def test_a_checkpoint_of_two_nodes_resumes_with_one_missing(tmp_path):
     assert after["global_step"] > before["global_step"]
     assert after["elastic"]["committed"] > before["elastic"]["committed"]  # the round clock went on from the save
     assert after["metrics"]["val_acc"] >= before["metrics"]["val_acc"] - 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchft_diloco_anchor_runs_on_the_same_launch_and_survives_a_kill(tmp_path):
+    # The benchmarks' anchor: torchft's DiLoCo as it is, inside the same per-node jobs.
+    emulation = _ft_job(tmp_path, "kill:1@10,start:1@13", "trainer.max_epochs=70", "strategy.exchange=torchft_diloco")
+    runs = emulation["runs"]
+    assert [(r["node"], r["killed"]) for r in runs] == [(0, False), (1, True), (1, False)], runs
+    assert runs[0]["exit_code"] == 0 and runs[2]["exit_code"] == 0
+    assert "runs torchft's DiLoCo (the anchor)" in (tmp_path / "node0.log").read_text()
+    assert _results(tmp_path, 0)["metrics"]["val_acc"] > 0.8  # it learned (each node validates its own weights)
