@@ -158,7 +158,12 @@ def _run_ft(nodes: int, faults: str, argv: list[str]) -> int:
     root = Path("ft").resolve()
     if not any(a.startswith("--trainer.default_root_dir") for a in argv):
         argv = [*argv, f"--trainer.default_root_dir={root}/node{{node}}"]
-    cluster = ReplicaGroupCluster(nodes=nodes, procs_per_node=devices, faults=faults, log_dir=root)
+    try:
+        cluster = ReplicaGroupCluster(
+            nodes=nodes, procs_per_node=devices, faults=faults, log_dir=root, faults_setting="--ft-faults"
+        )
+    except ValueError as err:  # a bad --ft-faults schedule, torchft missing
+        sys.exit(f"syncasync-cli: error: {err}")
     report = cluster.run([sys.executable, "-m", "lightning_syncasync.cli", *argv])
     for r in report.runs:
         print(f"syncasync-cli: node {r.node} exit {r.exit_code}{' (killed)' if r.killed else ''}: {r.log}")

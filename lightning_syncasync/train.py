@@ -227,7 +227,7 @@ def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
     devices = cfg.trainer.get("devices", 1)
     cluster = ReplicaGroupCluster(
         nodes=int(cfg.ft), procs_per_node=devices if isinstance(devices, int) and devices > 0 else 1,
-        faults=str(cfg.ft_faults or ""), log_dir=output_dir,
+        faults=str(cfg.ft_faults or ""), log_dir=output_dir, faults_setting="ft_faults",
     )  # fmt: skip
     task = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in ("ft", "ft_faults")]
     cmd = [sys.executable, "-m", "lightning_syncasync.train", *_searchpath_overrides(hc), *task,

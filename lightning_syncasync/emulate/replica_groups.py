@@ -62,19 +62,19 @@ class NodeEvent:
     at_s: float
 
 
-def parse_node_faults(spec: str, nodes: int) -> list[NodeEvent]:
+def parse_node_faults(spec: str, nodes: int, setting: str = "--node-faults") -> list[NodeEvent]:
     """``kill:1@10,start:1@25`` -> events in time order; errors name the item and the fix."""
     events = []
     for item in filter(None, (s.strip() for s in re.split(r"[,; ]", spec))):
         m = _EVENT.match(item)
         if m is None:
             raise ValueError(
-                f"--node-faults item {item!r} is not KIND:NODE@SECONDS; HINT: kill:1@10 (SIGKILL node 1's job at "
+                f"{setting} item {item!r} is not KIND:NODE@SECONDS; HINT: kill:1@10 (SIGKILL node 1's job at "
                 "10 s), term:1@10 (SIGTERM), start:1@25 (start it again, or for the first time, at 25 s)"
             )
         kind, node, at = m.group(1), int(m.group(2)), float(m.group(3))
         if not 0 <= node < nodes:
-            raise ValueError(f"--node-faults {item!r}: node {node} is outside 0..{nodes - 1}")
+            raise ValueError(f"{setting} {item!r}: node {node} is outside 0..{nodes - 1}")
         events.append(NodeEvent(kind, node, at))
     events.sort(key=lambda e: e.at_s)
     alive = {n: True for n in range(nodes)}
@@ -84,7 +84,7 @@ def parse_node_faults(spec: str, nodes: int) -> list[NodeEvent]:
     for e in events:
         if (e.kind != "start") != alive[e.node]:
             state = "running" if alive[e.node] else "not running"
-            raise ValueError(f"--node-faults: {e.kind}:{e.node}@{e.at_s:g} but node {e.node} is {state} then")
+            raise ValueError(f"{setting}: {e.kind}:{e.node}@{e.at_s:g} but node {e.node} is {state} then")
         alive[e.node] = e.kind == "start"
     return events
 
@@ -138,6 +138,7 @@ class ReplicaGroupCluster:
         heartbeat_timeout_ms: how long after its last heartbeat a node counts as dead.
         log_dir: ``node{n}.log`` (``node{n}.{k}.log`` for its k-th restart), ``lighthouse.log``, ``emulation.json``.
         echo: copy node 0's first run's output to this process's stdout.
+        faults_setting: how the front end names the schedule in its errors (``--ft-faults``, ``ft_faults``).
 
     Example::
 
@@ -157,6 +158,7 @@ class ReplicaGroupCluster:
         heartbeat_timeout_ms: int = 2_000,
         log_dir: str | Path | None = None,
         echo: bool = True,
+        faults_setting: str = "--node-faults",
     ) -> None:
         if nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {nodes}; HINT: e.g. --nodes 2")
@@ -174,7 +176,7 @@ class ReplicaGroupCluster:
 
             raise ValueError(f"the fault-tolerant emulation needs torchft (its Lighthouse), not installed. {FT_HINT}")
         self.nodes, self.procs_per_node, self.link_mbit, self.netns = nodes, procs_per_node, link_mbit, netns
-        self.events = parse_node_faults(faults, nodes)
+        self.events = parse_node_faults(faults, nodes, faults_setting)
         self.min_replicas, self.join_timeout_ms, self.heartbeat_timeout_ms = (
             min_replicas, join_timeout_ms, heartbeat_timeout_ms,
         )  # fmt: skip
