@@ -107,7 +107,6 @@ class _Open:
     clock_gap: float = 0.0
     # (start, end) of checkpoint saves since the previous step closed: not part of any step's time.
     paused: list[tuple[float, float]] = field(default_factory=list)
-    participants: int = 0
 
 
 class StatsRecorder:
@@ -274,7 +273,6 @@ class StatsRecorder:
         if value < 0:
             raise ValueError(f"participants must be >= 0, got {value}")
         with self._lock:
-            self._open.participants = int(value)
             self.last_participants = int(value)
 
     def record_clock_gap(self, value: float) -> None:
@@ -326,7 +324,7 @@ class StatsRecorder:
                 staleness_max=max(stal) if stal else 0.0,
                 clock_gap=cur.clock_gap,
                 mode=self.mode,
-                participants=cur.participants or self.last_participants,
+                participants=self.last_participants,
             )
             for scope in _SCOPES:
                 self.total_bytes[scope] += cur.bytes[scope]

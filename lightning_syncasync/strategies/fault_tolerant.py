@@ -280,7 +280,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         self._address = address
         self.manager = make_manager(
             self.strategy_name, self.global_rank, self.world_size, f"syncasync_{self.replica_group}", address,
-            self.min_replicas, self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s, device=self.root_device,
+            self.min_replicas, self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s,
         )  # fmt: skip
         if self.exchange == "torchft_diloco":
             self._sigterm.install(trainer, self._group if self.world_size > 1 else None)

@@ -147,7 +147,6 @@ class ElasticStats:
     committed: int = 0  # rounds committed and applied here
     failed: int = 0  # rounds not committed (their progress carried into the next)
     participants: list[int] = field(default_factory=list)  # groups present in each committed round
-    contributors: list[int] = field(default_factory=list)  # groups that contributed samples to it
     committed_at: list[float] = field(default_factory=list)  # wall clock (time.time()) of each commit
     heals: int = 0  # times this group took a live peer's state
     healed_at: float | None = None  # wall clock of the last heal
@@ -261,11 +260,11 @@ class ElasticRounds:
         group at step 0 from the first one), and a group joining a running job heals from a live peer here. Every
         group of a new job calls it; a running job's groups see it as one of their rounds."""
         self.stats.joined_at = time.time()
-        self._commit_round(self._launch(cut=False, gate=True))
+        self._commit_round(self._launch(gate=True))
         if self.staleness == 1:
             # The groups already running launched their next round as they committed this one: launch it too (with
             # nothing in it), so this group's rounds end with theirs.
-            self._flight = self._launch(cut=False, gate=False)
+            self._flight = self._launch(gate=False)
 
     def before_step(self) -> None:
         """Call before each optimizer step: a heal being sent (torchft's thread reads the state) waits for the step."""
@@ -294,7 +293,7 @@ class ElasticRounds:
             self._commit_round(self._flight)
             self._flight = None
         while True:
-            if self._commit_round(self._launch(cut=True, gate=True), replace=True):
+            if self._commit_round(self._launch(gate=True), replace=True):
                 break
             if time.perf_counter() > deadline:
                 raise TimeoutError(
@@ -359,7 +358,7 @@ class ElasticRounds:
         if self._flight is not None:  # staleness 1: the previous round first
             self._commit_round(self._flight)
             self._flight = None
-        rnd = self._launch(cut=False, gate=self.staleness == 0)
+        rnd = self._launch(gate=self.staleness == 0)
         if self.staleness == 0:
             self._commit_round(rnd)
         else:
@@ -371,7 +370,7 @@ class ElasticRounds:
         if self.recorder is not None:
             self.recorder.record_wait(waited)
 
-    def _launch(self, cut: bool, gate: bool) -> _Flight:
+    def _launch(self, gate: bool) -> _Flight:
         """Snapshot this rank's progress and start the round's quorum and exchange (on the thread unless ``gate``)."""
         theta = self._shard()
         delta = self._base - theta
@@ -406,7 +405,6 @@ class ElasticRounds:
                 self._gated = False
         else:
             self._thread.submit(lambda: self._exchange(rnd, header))
-        del cut  # every round is exact: fp32, nothing held back
         return rnd
 
     def _exchange(self, rnd: _Flight, header: torch.Tensor) -> None:
@@ -506,7 +504,6 @@ class ElasticRounds:
         self.last_participants = present
         self.stats.committed += 1
         self.stats.participants.append(present)
-        self.stats.contributors.append(contributors)
         self.stats.committed_at.append(time.time())
         self.stats.samples_committed += rnd.samples
         self.stats.history.append((self.manager.current_step(), present, contributors, rnd.samples))
@@ -636,11 +633,10 @@ def make_manager(
     connect_timeout_s: float = 10.0,
     store_addr: str | None = None,
     store_port: int | None = None,
-    device: torch.device | None = None,
 ) -> Any:
     """This rank's ``torchft.Manager``: one per rank of a replica group (rank 0 runs the group's manager server;
     the group's TCPStore, the one ``init_process_group`` started, must exist), with a process group that torchft
-    reconfigures over this local rank of every group present (gloo on the CPU, NCCL on CUDA).
+    reconfigures over this local rank of every group present.
 
     ``use_async_quorum=False``: a group that heals takes the live peer's state before the round's exchange and then
     takes part in it, and nothing it computed before healing is mixed into the quorum's model.
@@ -651,7 +647,6 @@ def make_manager(
     torchft = require_torchft(owner)
     timeout = timedelta(seconds=timeout_s)
     host = os.environ.get(FT_HOST_ENV) or socket.gethostname()
-    del device
     pg = torchft.ProcessGroupGloo(timeout=timeout)
     return torchft.Manager(
         pg=pg,
