@@ -53,7 +53,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
             runs = s["runs"]
             for key in ("samples_per_s", "ideal_samples_per_s", "efficiency", "time_to_target_s", "final_val_metric",
                         "inter_node_bytes_per_step", "wait_frac", "peak_rss_mb", "cuda_peak_mb",
-                        "optimizer_state_mb", "bounded_efficiency", "bound_error", "sync_point_frac"):  # fmt: skip
+                        "optimizer_state_mb", "bounded_efficiency", "bound_error", "sync_point_frac",
+                        *ELASTIC_KEYS):  # fmt: skip
                 s[key] = median_or_none([r.get(key) for r in runs])
                 s[key + "_all"] = [r.get(key) for r in runs]
             for key in ("inter_sent", "inter_recv", "intra_sent", "intra_recv"):
@@ -101,6 +102,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             lines += [f"Emulation: CPU {emu.get('cpu_mode')} shares {emu.get('cores_per_rank')}, "
                       f"netns={emu.get('netns')}.", ""]  # fmt: skip
         lines += scenario_table(by_strategy)
+        if sc is not None and sc.elastic:
+            lines += ["", *elastic_table(by_strategy), "", f"![{name} against time](elastic_{name}.png)"]
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)
         lines += [""]
     lines += ["![throughput](throughput.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
@@ -135,6 +138,76 @@ def scenario_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
             f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
         )
     return lines
+
+
+ELASTIC_KEYS = (
+    "goodput_samples_per_s",
+    "limit_samples_per_s",
+    "goodput_frac",
+    "samples_lost",
+    "kill_to_commit_s",
+    "start_to_commit_s",
+    "join_to_heal_s",
+    "samples_useful",
+    "samples_trained",
+)
+
+
+def elastic_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
+    """A node-fault scenario's figures (:mod:`lightning_syncasync.bench.elastic`): medians, [min-max] over repeats."""
+    any_run = next(iter(by_strategy.values()))["runs"][0]
+    lines = [
+        f"Node faults ({any_run.get('faults') or 'none'}, seconds from the first training step; budget time "
+        f"{_fmt(any_run.get('budget_s'))} s). Time to target and goodput count wall time from the first training "
+        "step, validation and restarts included; the limit is the capacity present (each node's no-communication "
+        "rate while its job ran).",
+        "",
+        "| strategy | launch | time to target (s) | final metric | goodput samples/s | limit samples/s | goodput % "
+        "of limit | samples lost | kill to next commit (s) | (re)start to first full commit (s) | join to heal (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for strategy, s in by_strategy.items():
+        launch = s["runs"][0].get("elastic_launch", "")
+        frac = s["goodput_frac_all"]
+        lines.append(
+            f"| {strategy} | {launch} | {_fmt(s['time_to_target_s'])}{_spread(s['time_to_target_s_all'], '.1f')} "
+            f"| {_fmt(s['final_val_metric'], '.4f')}{_spread(s['final_val_metric_all'], '.4f')} "
+            f"| {_fmt(s['goodput_samples_per_s'], '.0f')}{_spread(s['goodput_samples_per_s_all'], '.0f')} "
+            f"| {_fmt(s['limit_samples_per_s'], '.0f')} "
+            f"| {_pct(s['goodput_frac'])}{_spread([None if v is None else 100 * v for v in frac], '.1f')} "
+            f"| {_fmt(s['samples_lost'], '.0f')} "
+            f"| {_fmt(s['kill_to_commit_s'], '.2f')}{_spread(s['kill_to_commit_s_all'], '.2f')} "
+            f"| {_fmt(s['start_to_commit_s'], '.2f')}{_spread(s['start_to_commit_s_all'], '.2f')} "
+            f"| {_fmt(s['join_to_heal_s'], '.2f')} |"
+        )
+    return lines
+
+
+def plot_elastic(out_dir: Path, name: str, by_strategy: dict[str, dict[str, Any]], plt: Any) -> Path | None:
+    """Participants, throughput and the validation metric against wall time, one line per contender (its first
+    repeat): the dip at the fault and the recovery after it."""
+    runs = {k: next((r for r in s["runs"] if r.get("series")), None) for k, s in by_strategy.items()}
+    runs = {k: r for k, r in runs.items() if r is not None}
+    if not runs:
+        return None
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    for k, r in runs.items():
+        ser = r["series"]
+        for ax, key in zip(axes, ("participants", "samples_per_s", "val"), strict=True):
+            pts = ser.get(key) or []
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.step(xs, ys, where="post", label=k) if key == "participants" else ax.plot(xs, ys, label=k)
+    first = next(iter(runs.values()))
+    axes[0].set_ylabel("nodes in the update")
+    axes[1].set_ylabel("samples/s (2 s windows)")
+    axes[2].set_ylabel(first.get("val_metric_name") or "metric")
+    if first.get("target") is not None:
+        axes[2].axhline(first["target"], color="gray", ls=":", label="target")
+    axes[2].set_xlabel("seconds from the first training step")
+    axes[0].set_title(f"{name}: {first.get('faults') or 'no fault'}")
+    axes[2].legend(fontsize=8)
+    return _save(fig, plt, out_dir / f"elastic_{name}.png")
 
 
 def _wire_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
@@ -341,6 +414,10 @@ def write_plots(out_dir: Path, records: list[dict[str, Any]]) -> list[Path]:
     ax.set_title("Throughput by strategy and scenario")
     ax.legend(fontsize=8)
     throughput = _save(fig, plt, out_dir / "throughput.png")
+    for sc_name in scenarios:
+        found = lookup(sc_name)
+        if found is not None and found.elastic:
+            plot_elastic(out_dir, sc_name, table[sc_name], plt)
 
     fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
     for ax, sc in zip(axes[0], scenarios, strict=True):

@@ -34,7 +34,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_syncasync.bench.scenarios import Scenario
+from lightning_syncasync.bench.scenarios import SCENARIOS, Scenario
 from lightning_syncasync.emulate.cluster import EmulatedCluster
 
 log = logging.getLogger(__name__)
@@ -205,11 +205,21 @@ class BenchRunner:
         self._checked: set[tuple[str, ...]] = set()
 
     def check(self, scenario: Scenario, contenders: list[Contender]) -> None:
-        """Refuse, before anything runs, contenders that cannot run inside the emulator (:func:`check_launcher`)."""
+        """Refuse, before anything runs, contenders that cannot run inside the emulator (:func:`check_launcher`),
+        and fault-tolerant contenders outside the node-fault scenarios (they run one job per node)."""
+        from lightning_syncasync.bench.elastic import is_fault_tolerant
+
         for contender in contenders:
             overrides = self._contender_overrides(scenario, contender, rep=0)
             if tuple(overrides) not in self._checked:
                 check_launcher(contender, overrides)
+                if not scenario.elastic and is_fault_tolerant(overrides):
+                    elastic = sorted(s.name for s in SCENARIOS.values() if s.elastic)
+                    raise ValueError(
+                        f"contender {contender.name!r} is a fault-tolerant strategy (one job per node through a "
+                        f"torchft Lighthouse), which scenario {scenario.name!r} does not launch; HINT: run it in "
+                        f"--scenario {','.join(elastic)}"
+                    )
                 self._checked.add(tuple(overrides))
 
     def run(self, scenario: Scenario, contenders: list[Contender]) -> list[dict[str, Any]]:
@@ -219,11 +229,20 @@ class BenchRunner:
         for rep in range(self.repeats):
             k = rep % len(items)
             order = items[k:] + items[:k]
+            if scenario.elastic:
+                # The ideal first: the node faults are placed at fractions of the budget time it measures.
+                k = rep % len(contenders)
+                order = [None, *contenders[k:], *contenders[:k]]
             ideal: dict[str, Any] | None = None
             rep_records = []
             for item in order:
                 if item is None:
                     ideal = self._run_ideal(scenario, rep)
+                elif scenario.elastic:
+                    from lightning_syncasync.bench.elastic import run_elastic
+
+                    assert ideal is not None
+                    rep_records.append(run_elastic(self, scenario, item, rep, ideal))
                 else:
                     rep_records.append(self._run_contender(scenario, item, rep))
             assert ideal is not None

@@ -42,6 +42,11 @@ Workloads and what they mirror:
   14 ms of the node's 100 Mbit/s against 110-118 ms of compute on the fast node): the slow node, not the link,
   dominates. Measured once (``--quick``, ddp): 81.0% of the limit, 69.3% of its own bound, 28% of the step waiting.
 
+* ``elastic_no_faults`` / ``preemption`` / ``scale_out``: node faults (:mod:`lightning_syncasync.bench.elastic`):
+  2 equal nodes x 2 ranks on 100 Mbit/s, the long MNIST workload, every contender one job per node. ``preemption``
+  SIGKILLs node 1's whole job at 30% of the budget time and starts it again at 60%; ``scale_out`` starts node 1 at
+  30%; ``elastic_no_faults`` is the same launch without a fault (each contender's own fault-free reference).
+
 How the long workload's learning rate and targets were chosen, from synchronous runs alone and before any
 asynchronous run: ``scripts/lr_sweep.py`` trains the same model in one process with the global batch of 160 (DDP's
 update exactly: the convnet has no BatchNorm or dropout), the same schedule and the same 400 steps, for Adam learning
@@ -82,6 +87,11 @@ class Scenario:
         metric, target, mode: the validation metric, its threshold and whether higher (``max``) is better.
         netns: needs network namespaces (root); the smoke scenario runs on plain loopback.
         mirrors: what compute-to-communication ratio the scenario resembles.
+        elastic: every contender runs as one job per node (:mod:`lightning_syncasync.bench.elastic`): the
+            fault-tolerant strategies through a torchft Lighthouse, the others under ``torchrun --nnodes=1:N``
+            restarted from their last checkpoint.
+        node_faults: ``kill:1@0.3,start:1@0.6``: node faults at fractions of the budget time (``elastic`` only).
+        checkpoint_every: the restarted contenders' checkpoint interval in steps (``elastic`` only).
     """
 
     name: str
@@ -103,6 +113,17 @@ class Scenario:
     mirrors: str = ""
     ideal_s: float = 40.0
     quick_ideal_s: float = 15.0
+    elastic: bool = False
+    node_faults: str = ""
+    checkpoint_every: int = 50
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per rank per step (the workload's ``data.batch_size``)."""
+        for o in self.overrides:
+            if o.startswith("data.batch_size="):
+                return int(o.split("=", 1)[1])
+        raise ValueError(f"scenario {self.name!r} does not set data.batch_size")
 
     @property
     def world_size(self) -> int:
@@ -169,6 +190,26 @@ _MNIST_TARGET, _MNIST_QUICK_TARGET = 0.97, 0.96  # from DDP-equivalent runs alon
 _LM_MIRRORS = "a GPU cluster training a few-hundred-million-parameter model over 10 GbE (communication > compute)"
 _CONV_MIRRORS = "data-parallel convnet training on a fast network (compute >> communication)"
 _HETERO_MIRRORS = "two machines of different generations on a 100 Mbit/s link (the slow node costs more than the link)"
+
+# Node faults: slow_link's cluster (2 equal nodes, 100 Mbit/s), not hetero_slow_link's. Equal nodes make the
+# capacity present independent of which node dies, and hetero_slow_link's slowness is a per-step pause injected per
+# global rank, which a torchrun restart can hand to the other node (its c10d rendezvous orders nodes by arrival):
+# the slow machine would not stay slow across the restart. The workload is the long MNIST one (hetero_slow_link's):
+# its validation runs once per epoch (25 steps), while the LM validates every 5 steps, and every validation is a
+# consistent cut across the nodes of a fault-tolerant job; 400 steps leave room for a kill, a restart and the
+# recovery after it.
+_ELASTIC = dict(
+    nodes=2,
+    procs_per_node=2,
+    link_mbit=100.0,
+    overrides=_MNIST,
+    steps=_MNIST_STEPS,
+    quick_steps=_MNIST_QUICK_STEPS,
+    target=_MNIST_TARGET,
+    quick_target=_MNIST_QUICK_TARGET,
+    elastic=True,
+    mirrors="spot or preemptible machines on a 100 Mbit/s link, a job that must go on when one is taken away",
+)
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -246,6 +287,24 @@ SCENARIOS: dict[str, Scenario] = {
             nodes=2, procs_per_node=2, link_mbit=100.0, schedule="2:1.5@0-1,3:1.5@0-1", overrides=_MNIST,
             steps=_MNIST_STEPS, quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET,
             quick_target=_MNIST_QUICK_TARGET, mirrors=_HETERO_MIRRORS,
+        ),
+        Scenario(
+            name="elastic_no_faults",
+            description="2 nodes x 2 ranks, 100 Mbit/s between nodes, one job per node (torchft, or torchrun "
+            "restarts from a checkpoint every 50 steps), no fault; MNIST-5k convnet, 16 epochs",
+            **_ELASTIC,
+        ),
+        Scenario(
+            name="preemption",
+            description="as elastic_no_faults; node 1's whole job SIGKILLed at 30% of the budget time, started "
+            "again at 60%",
+            node_faults="kill:1@0.3,start:1@0.6", **_ELASTIC,
+        ),
+        Scenario(
+            name="scale_out",
+            description="as elastic_no_faults; node 1 starts at 30% of the budget time (node 0 trains alone "
+            "until then)",
+            node_faults="start:1@0.3", **_ELASTIC,
         ),
         Scenario(
             name="smoke",

@@ -30,6 +30,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.streams import wait_for_current_stream
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
+from lightning_syncasync.callbacks._timeline import Timeline
 
 # The aggregates fed by every step, in the order _accumulate buffers them (the first fields of _FIELDS).
 _AGG_ORDER = ("steps", "samples", "wall_s", "compute_s", "wait_s", "bytes_intra", "bytes_inter", "staleness_mean",
@@ -142,6 +143,7 @@ class SyncMonitor(Callback):
         self._samples_seen = 0
         self.val_history: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
+        self._timeline: Timeline | None = None
 
     def record_event(self, kind: str, step: int, **fields: Any) -> None:
         """Keep a policy's decision (a batch rebalance, a mode switch) for the summary's ``events`` list.
@@ -221,6 +223,13 @@ class SyncMonitor(Callback):
                                         block=self.cuda_sync)  # fmt: skip
         self._last_end = time.perf_counter()
         self._accumulate(stats)
+        if self._timeline is not None:
+            elastic = getattr(trainer.strategy, "elastic_stats", None)
+            self._timeline.step(
+                trainer.global_step, stats.samples * trainer.world_size,
+                stats.participants or trainer.num_nodes,
+                None if elastic is None else elastic.samples_committed,
+            )  # fmt: skip
         rate = stats.samples_per_s
         self._rate = rate if self._rate is None else self.smoothing * self._rate + (1 - self.smoothing) * rate
         # Per-step values go straight to the loggers, on Lightning's logging steps only (log_every_n_steps), as
@@ -275,6 +284,11 @@ class SyncMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._synchronize(pl_module)
         self._last_end = time.perf_counter()
+        if trainer.is_global_zero and self._timeline is None:
+            self._timeline = Timeline.from_env()
+        if self._timeline is not None:
+            self._timeline.write(event="start", step=trainer.global_step, nodes=trainer.num_nodes,
+                                 world=trainer.world_size)  # fmt: skip
         if self._recorder is not None:
             self._recorder.drop_late_events()  # a recorder the strategy keeps across fits: the last fit's are not ours
 
@@ -298,6 +312,8 @@ class SyncMonitor(Callback):
             for k, v in trainer.callback_metrics.items()
             if k.startswith("val") and isinstance(v, torch.Tensor) and v.numel() == 1
         }
+        if self._timeline is not None:
+            self._timeline.write(step=trainer.global_step, val=metrics)
         self.val_history.append(
             {
                 "elapsed_s": time.perf_counter() - self._fit_start,
@@ -311,6 +327,10 @@ class SyncMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._timeline is not None:
+            self._timeline.write(event="end", step=trainer.global_step)
+            self._timeline.close()
+            self._timeline = None
         if self._recorder is None:
             return
         memory = {

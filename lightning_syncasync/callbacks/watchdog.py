@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -79,11 +80,18 @@ class PeerWatchdog(Callback):
             return
         self._trainer = trainer
         self._generation += 1
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # Every rank must use the same key namespace, and it must differ from every earlier attempt's (torchrun's
+        # store outlives its workers). torchrun's restart count alone does neither once a node is replaced: the new
+        # node's agent counts its restarts from 0 while the survivors' agent has counted one, so each side watched
+        # keys the other never wrote and both declared the other lost after timeout_s (measured: a ddp job under
+        # torchrun --nnodes=1:2 whose node 1 was killed and started again). Rank 0 draws the namespace and
+        # broadcasts it (one small collective at setup, in the same order on every rank).
+        token = [f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{uuid.uuid4().hex[:12]}"]
+        dist.broadcast_object_list(token, src=0)
         store = self._own_connection() or dist.distributed_c10d._get_default_store()
         self.heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, timeout_s=self.timeout_s, interval_s=self.interval_s,
-            on_lost=self._on_lost, prefix=f"syncasync/wd/{restart}/{self._generation}",
+            on_lost=self._on_lost, prefix=f"syncasync/wd/{token[0]}/{self._generation}",
         ).start()  # fmt: skip
 
     def _own_connection(self) -> dist.Store | None:

@@ -11,7 +11,18 @@ its own address to the others (``SYNCASYNC_FT_HOST``).
 Fault schedule: ``kill:1@10,start:1@25`` SIGKILLs node 1's job (every process of it) 10 s after the start and starts
 it again at 25 s; ``term:1@10`` sends it SIGTERM instead (a preemption notice: the node stops at its next step and
 leaves); ``start:2@15`` alone starts node 2 at 15 s instead of at once (scale-out). Times are seconds from the start
-of the emulation.
+of the emulation, or from the moment ``origin`` first returns a time (the benchmark: the first training step, so
+that start-up time does not shift a fault that is placed at a fraction of the training).
+
+A node's job is every process it started, including those in sessions of their own (torchrun starts its workers
+with ``start_new_session``): a kill takes the whole process tree, as losing the machine would.
+
+Without a Lighthouse (``lighthouse=False``) the same cluster runs any per-node job with the same faults, e.g.
+``torchrun --nnodes=1:2 --rdzv-endpoint={host0}:PORT`` whose elastic agent restarts the job from its last checkpoint
+(``{host0}`` in the command is node 0's address, ``{host}`` the node's own, ``{is_node0}`` 1 on node 0 and 0
+elsewhere: torchrun's ``--local-addr`` and ``--rdzv-conf is_host=``, as its own guesses from the host name cannot
+tell namespaces apart). ``cores_per_node`` caps each node's CPU with a cgroup (every
+process of the node shares it, as the ranks of one machine share its cores).
 """
 
 from __future__ import annotations
@@ -27,12 +38,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
 from lightning_syncasync.algorithms.averaging.elastic import FT_HOST_ENV
+from lightning_syncasync.emulate.cgroups import CpuShares, cgroup_cpu_root
 from lightning_syncasync.emulate.cluster import _tee, free_port
 from lightning_syncasync.emulate.network import EmulatedNetwork
 
@@ -116,6 +128,9 @@ class ReplicaGroupsReport:
     runs: list[NodeRun] = field(default_factory=list)
     wall_s: float = 0.0
     interrupted: bool = False
+    origin_s: float | None = None  # seconds from the start at which the fault schedule's clock started
+    cpu_mode: str = "shared"  # "cgroup" when cores_per_node capped each node
+    cores_per_node: float | None = None
 
     @property
     def failed(self) -> list[NodeRun]:
@@ -139,6 +154,11 @@ class ReplicaGroupCluster:
         log_dir: ``node{n}.log`` (``node{n}.{k}.log`` for its k-th restart), ``lighthouse.log``, ``emulation.json``.
         echo: copy node 0's first run's output to this process's stdout.
         faults_setting: how the front end names the schedule in its errors (``--ft-faults``, ``ft_faults``).
+        lighthouse: start a torchft Lighthouse and set the torchft variables (``False``: any per-node job).
+        cores_per_node: cap each node's processes at this many cores (cgroups; root), ``None``: no cap.
+        origin: the fault schedule's clock starts when this first returns a time (``time.time()``); ``None``: at
+            the start of the emulation.
+        env: more environment variables for every node (``{node}`` in a value is replaced by the node's id).
 
     Example::
 
@@ -159,6 +179,10 @@ class ReplicaGroupCluster:
         log_dir: str | Path | None = None,
         echo: bool = True,
         faults_setting: str = "--node-faults",
+        lighthouse: bool = True,
+        cores_per_node: float | None = None,
+        origin: Callable[[], float | None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {nodes}; HINT: e.g. --nodes 2")
@@ -171,7 +195,9 @@ class ReplicaGroupCluster:
                 f"min_replicas={min_replicas} must be between 1 and the {nodes} node(s) that can exist; HINT: 1 lets "
                 "a lone survivor train on"
             )
-        if importlib.util.find_spec("torchft") is None:
+        if cores_per_node is not None and not cores_per_node > 0:
+            raise ValueError(f"cores_per_node must be > 0, got {cores_per_node}")
+        if lighthouse and importlib.util.find_spec("torchft") is None:
             from lightning_syncasync.algorithms.averaging.elastic import FT_HINT
 
             raise ValueError(f"the fault-tolerant emulation needs torchft (its Lighthouse), not installed. {FT_HINT}")
@@ -182,6 +208,12 @@ class ReplicaGroupCluster:
         )  # fmt: skip
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.echo = echo
+        self.lighthouse, self.origin, self.extra_env = lighthouse, origin, dict(env or {})
+        self.cores_per_node = cores_per_node
+        if cores_per_node is not None and cgroup_cpu_root() is None:
+            log.warning("cgroup cpu controller unavailable: nodes are not capped at %g cores", cores_per_node)
+            self.cores_per_node = None
+        self.shares: CpuShares | None = None
         self.network: EmulatedNetwork | None = None
         self._procs: dict[int, subprocess.Popen] = {}
         self._runs: dict[int, NodeRun] = {}
@@ -208,7 +240,13 @@ class ReplicaGroupCluster:
             if self.netns:
                 self.network = EmulatedNetwork(self.nodes, self.link_mbit)
                 self.network.setup()
-            lighthouse, report.lighthouse = self._start_lighthouse(log_dir, files)
+            if self.cores_per_node is not None:
+                self.shares = CpuShares()
+                for node in range(self.nodes):
+                    self.shares.create(f"node{node}", self.cores_per_node)
+                report.cpu_mode, report.cores_per_node = "cgroup", self.cores_per_node
+            if self.lighthouse:
+                lighthouse, report.lighthouse = self._start_lighthouse(log_dir, files)
             late = {e.node for e in self.events if e.kind == "start"} - {
                 e.node for e in self.events if e.kind != "start"
             }
@@ -216,9 +254,16 @@ class ReplicaGroupCluster:
                 if node not in late:
                     report.runs.append(self._start_node(node, command, report, log_dir, files, start))
             pending = [e for e in self.events]
+            origin = 0.0 if self.origin is None else None
             while not self._stop:
                 now = time.monotonic() - start
-                while pending and pending[0].at_s <= now:
+                if origin is None:
+                    at = self.origin() if self.origin is not None else None
+                    if at is not None:
+                        origin = max(0.0, now - (time.time() - at))
+                        report.origin_s = origin
+                        log.info("fault clock starts at %.1f s", origin)
+                while origin is not None and pending and origin + pending[0].at_s <= now:
                     event = pending.pop(0)
                     if event.kind == "kill":
                         self._kill_node(event.node, start)
@@ -251,6 +296,8 @@ class ReplicaGroupCluster:
                     lighthouse.kill()
             for f in files:
                 f.close()
+            if self.shares is not None:
+                self.shares.teardown()
             if self.network is not None:
                 self.network.teardown()
             for s, handler in previous.items():
@@ -302,16 +349,18 @@ class ReplicaGroupCluster:
 
     def node_env(self, node: int, lighthouse: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.update({k: v.replace("{node}", str(node)) for k, v in self.extra_env.items()})
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                     "TORCHELASTIC_RUN_ID", "GLOO_SOCKET_IFNAME"):  # fmt: skip
             env.pop(var, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("RUST_LOG", "warn")
         host = self.network.address(node) if self.network is not None else "127.0.0.1"
-        env.update(
-            TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(node), NUM_REPLICA_GROUPS=str(self.nodes),
-            MASTER_ADDR=host, MASTER_PORT=str(free_port()), **{FT_HOST_ENV: host, FT_NODE_ENV: str(node)},
-        )  # fmt: skip
+        if self.lighthouse:
+            env.update(
+                TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(node), NUM_REPLICA_GROUPS=str(self.nodes),
+                MASTER_ADDR=host, MASTER_PORT=str(free_port()), **{FT_HOST_ENV: host, FT_NODE_ENV: str(node)},
+            )  # fmt: skip
         if self.network is not None:
             env["GLOO_SOCKET_IFNAME"] = self.network.interface(node)
         return env
@@ -320,15 +369,22 @@ class ReplicaGroupCluster:
                     files: list[IO[bytes]], start: float) -> NodeRun:  # fmt: skip
         attempt = sum(1 for r in report.runs if r.node == node)
         name = f"node{node}.log" if attempt == 0 else f"node{node}.{attempt}.log"
-        cmd = [a.replace("{node}", str(node)) for a in command]
+        host0 = self.network.address(0) if self.network is not None else "127.0.0.1"
+        host = self.network.address(node) if self.network is not None else "127.0.0.1"
+        fields = {"{node}": str(node), "{host0}": host0, "{host}": host, "{is_node0}": str(int(node == 0))}
+        cmd = list(command)
+        for key, value in fields.items():
+            cmd = [a.replace(key, value) for a in cmd]
         if self.network is not None:
             cmd = self.network.exec_prefix(node) + cmd
         out = open(log_dir / name, "wb")  # noqa: SIM115 - closed by run()
         files.append(out)
         echo = self.echo and node == 0 and attempt == 0
+        shares = self.shares
         proc = subprocess.Popen(
             cmd, env=self.node_env(node, report.lighthouse), stdout=subprocess.PIPE if echo else out,
             stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=(lambda: shares.join(f"node{node}")) if shares is not None else None,
         )  # fmt: skip
         if echo:
             threading.Thread(target=_tee, args=(proc.stdout, out), daemon=True).start()
@@ -342,8 +398,15 @@ class ReplicaGroupCluster:
         proc = self._procs.pop(node, None)
         if proc is None:
             return
+        # The node's whole job: Lightning's launcher and its ranks, or torchrun's agent and its workers (each in a
+        # session of its own, so the process group alone would leave them running).
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the node's whole job: Lightning's launcher and its ranks
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
@@ -366,3 +429,23 @@ class ReplicaGroupCluster:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop = True
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc before anything is killed, so none is reparented yet)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
