@@ -31,7 +31,8 @@ report (when each node's job started and was killed) and the nodes' ``results.js
 * ``kill_to_commit_s``: from the kill to the survivors' next committed update (a committed round of a
   fault-tolerant strategy; the first step of the resumed survivors of a restarted job);
 * ``start_to_commit_s``: from the (re)start of the node's job to the first committed update with every node in it
-  (Python start-up, rendezvous or heal included); ``join_to_heal_s``: a fault-tolerant joiner's heal alone.
+  (Python start-up, rendezvous or heal included); ``join_to_heal_s`` / ``join_to_commit_s``: a fault-tolerant
+  joiner's own figures, from its first quorum (after its start-up) to its heal and to its first committed round.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def run_elastic(
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{scenario.nodes}", f"--nproc-per-node={ppn}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={{host0}}:{free_port()}", f"--rdzv-id=bench{rep}",
-            "--local-addr={host}", "--max-restarts=20", "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=1,is_host={is_node0}",
+            "--local-addr={host}", "--max-restarts=20", "--monitor-interval=0.5",
+            "--rdzv-conf=last_call_timeout=1,is_host={is_node0}",
             "-m", "lightning_syncasync.train", *overrides,
         ]  # fmt: skip
         # The workers' store of their own: a store shared with the agent does not survive a restart (train.py).
@@ -170,7 +172,7 @@ def run_elastic(
     results = [run_dir / "results.json"]
     if ft:
         results = [run_dir / f"node{n}" / "results.json" for n in range(scenario.nodes)]
-        record["join_to_heal_s"] = _join_to_heal(results)
+        record.update(_joiner(results))
     first = next((p for p in results if p.exists()), None)
     if first is not None:
         data = json.loads(first.read_text())
@@ -181,13 +183,20 @@ def run_elastic(
     return record
 
 
-def _join_to_heal(results: list[Path]) -> float | None:
+def _joiner(results: list[Path]) -> dict[str, float | None]:
+    """A fault-tolerant joiner's own clock (its last run's ``results.json``): from the start of its join (its first
+    quorum) to its heal, and to its first committed round."""
     for path in results:
         if path.exists():
             e = json.loads(path.read_text()).get("elastic") or {}
             if e.get("heals") and e.get("joined_at") and e.get("healed_at"):
-                return float(e["healed_at"]) - float(e["joined_at"])
-    return None
+                joined = float(e["joined_at"])
+                first = min(e.get("committed_at") or [None], key=lambda v: v or 0.0)
+                return {
+                    "join_to_heal_s": float(e["healed_at"]) - joined,
+                    "join_to_commit_s": None if first is None else float(first) - joined,
+                }
+    return {"join_to_heal_s": None, "join_to_commit_s": None}
 
 
 def analyse(
