@@ -32,7 +32,9 @@ report (when each node's job started and was killed) and the nodes' ``results.js
   fault-tolerant strategy; the first step of the resumed survivors of a restarted job);
 * ``start_to_commit_s``: from the (re)start of the node's job to the first committed update with every node in it
   (Python start-up, rendezvous or heal included); ``join_to_heal_s`` / ``join_to_commit_s``: a fault-tolerant
-  joiner's own figures, from its first quorum (after its start-up) to its heal and to its first committed round.
+  joiner's own figures, from its first quorum (after its start-up) to its heal and to its first committed round;
+* ``rate_before_join`` / ``rate_after_join``: every node's samples/s before the (re)started node's job began and
+  after its first full update (``scale_out``'s speed-up).
 """
 
 from __future__ import annotations
@@ -281,8 +283,21 @@ def analyse(
         s = max(restarted, key=lambda r: r["start"])
         full = next((c for c in commits if c[0] > s["start"] and c[2] >= nodes), None)
         out["start_to_commit_s"] = None if full is None else full[0] - s["start"]
+        # Throughput before the node's (re)start and after its first full update (scale-out's speed-up).
+        out["rate_before_join"] = _rate(segments, t0, s["start"])
+        out["rate_after_join"] = None if full is None else _rate(segments, full[0], t_end)
     out["series"] = _series(segments, val, metric, t0)
     return out
+
+
+def _rate(segments: list[tuple[int, list[dict[str, Any]]]], a: float, b: float) -> float | None:
+    """Every node's samples trained between wall times ``a`` and ``b``, per second."""
+    if b <= a:
+        return None
+    total = 0.0
+    for _, seg in segments:
+        total += sum(float(x["samples"]) - p for x, p in _incr([x for x in seg if "samples" in x]) if a < x["t"] <= b)
+    return total / (b - a)
 
 
 def _incr(st: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:

@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_syncasync.bench.report import scenario_table, summarise
+from lightning_syncasync.bench.report import elastic_answers, elastic_table, scenario_table, summarise
+from lightning_syncasync.bench.scenarios import lookup
 
 _BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
 HEADLINE_FIGURE = "headline.png"
@@ -58,6 +59,9 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
         if len(table) > 1:
             lines += [f"`{scenario}`:", ""]
         lines += scenario_table(by_strategy) + [""]
+        found = lookup(scenario)
+        if found is not None and found.elastic:
+            lines += elastic_table(by_strategy) + [""] + elastic_answers(scenario, table)
     cmds = _commands(records)
     lines.append(f"Measured by {', '.join(f'`{c}`' for c in cmds) or 'an unrecorded command'} (records: `{name}`).")
     return "\n".join(lines) + "\n"

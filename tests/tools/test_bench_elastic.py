@@ -46,6 +46,8 @@ def test_a_restarted_job_keeps_only_what_each_restart_resumed_from():
     assert out["goodput_frac"] == pytest.approx(1850 / present)
     assert out["limit_samples_per_s"] == pytest.approx(present / 42.5)
     assert out["series"]["participants"][0] == (1.0, 2)
+    assert out["rate_before_join"] == pytest.approx((1000 + 250) / 25)  # until node 1's job started again
+    assert out["rate_after_join"] == pytest.approx(11 * 100 / (42.5 - 31))  # after the first step with both
 
 
 def test_fault_tolerant_nodes_count_what_entered_committed_rounds():
