@@ -216,3 +216,38 @@ def test_bad_input_is_rejected_before_anything_starts(args, message):
         run_main(emulate_main, ["--nodes", "2", "--procs-per-node", "2", *args, *tail])
     assert failed.value.code == 2
     assert message in str(failed.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_node_kill_takes_processes_in_sessions_of_their_own_and_the_clock_starts_at_the_origin(tmp_path):
+    # Each node's job starts a child in a new session (as torchrun starts its workers) that records its pid and
+    # sleeps; node 1 is killed 0.5 s after the origin, which the job itself sets (a file node 0 writes once up).
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+
+    job = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True)\n"
+        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+        "if sys.argv[2] == '1': time.sleep(1.0); open(sys.argv[3], 'w').write(str(time.time()))\n"
+        "time.sleep(30 if sys.argv[2] == '1' else 2)\n"
+    )
+    origin_file = tmp_path / "origin"
+
+    def origin():
+        return float(origin_file.read_text()) if origin_file.exists() else None
+
+    cluster = ReplicaGroupCluster(
+        nodes=2, procs_per_node=1, lighthouse=False, faults="kill:0@0.5", origin=origin, log_dir=tmp_path / "logs",
+        echo=False, env={"WHO": "{node}"},
+    )  # fmt: skip
+    report = cluster.run([sys.executable, "-c", job, str(tmp_path / "child{node}"), "{is_node0}", str(origin_file)],
+                         timeout_s=30)  # fmt: skip
+    killed = [r for r in report.runs if r.killed]
+    assert [r.node for r in killed] == [0] and report.origin_s is not None
+    assert killed[0].ended_at == pytest.approx(report.origin_s + 0.5, abs=0.3)  # counted from the origin
+    child = int((tmp_path / "child0").read_text())
+    # The whole tree went, the child of its own session too (gone, or a zombie nobody reaped yet).
+    stat = Path(f"/proc/{child}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert json.loads((tmp_path / "logs" / "emulation.json").read_text())["origin_s"] == report.origin_s
+    os.kill(int((tmp_path / "child1").read_text()), 9)  # node 1 ended by itself, leaving its child (not ours to kill)
