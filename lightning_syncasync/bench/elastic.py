@@ -162,27 +162,63 @@ def run_elastic(
         record["error"] = f"run failed: {bad}; logs in {run_dir / 'logs'}"
         log.error("[%s] %s rep %d failed: %s", scenario.name, contender.name, rep, record["error"])
         return record
-    lines = {n: read_timeline(p) for n, p in enumerate(timelines)}
-    runs = [
-        {"node": r.node, "start": report.started_at + r.started_at,
-         "end": None if r.ended_at is None else report.started_at + r.ended_at, "killed": r.killed or r.terminated}
-        for r in report.runs
-    ]  # fmt: skip
     node_rates = [sum(ideal["per_rank"][n * ppn : (n + 1) * ppn]) for n in range(scenario.nodes)]
-    record.update(analyse(lines, runs, node_rates, scenario.nodes, lambda v: scenario.reached(v, runner.quick),
-                          scenario.metric))  # fmt: skip
+    record["node_rates"] = node_rates
+    record.update(measure(run_dir, scenario, runner.quick, node_rates, ft))
+    return record
+
+
+def measure(run_dir: Path, scenario: Scenario, quick: bool, node_rates: list[float], ft: bool) -> dict[str, Any]:
+    """A finished run's figures from its files alone (timelines, ``logs/emulation.json``, the nodes'
+    ``results.json``), so that a results file can be measured again when the analysis changes (``--remeasure``)."""
+    emulation = json.loads((run_dir / "logs" / "emulation.json").read_text())
+    lines = {n: read_timeline(run_dir / TIMELINE_FILE.format(node=n)) for n in range(scenario.nodes)}
+    origin = float(emulation["started_at"])
+    runs = [
+        {"node": r["node"], "start": origin + r["started_at"],
+         "end": None if r["ended_at"] is None else origin + r["ended_at"], "killed": r["killed"] or r["terminated"]}
+        for r in emulation["runs"]
+    ]  # fmt: skip
+    out = analyse(lines, runs, node_rates, scenario.nodes, lambda v: scenario.reached(v, quick), scenario.metric,
+                  restarted=not ft)  # fmt: skip
     results = [run_dir / "results.json"]
     if ft:
         results = [run_dir / f"node{n}" / "results.json" for n in range(scenario.nodes)]
-        record.update(_joiner(results))
+        out.update(_joiner(results))
     first = next((p for p in results if p.exists()), None)
     if first is not None:
         data = json.loads(first.read_text())
-        record["config"] = data.get("config")
+        out["config"] = data.get("config")
         summary = data.get("sync_summary") or {}
-        record["inter_node_bytes_per_step"] = summary.get("bytes_inter_per_step")
-        record["checkpoint_s"] = max((r.get("checkpoint_s", 0.0) for r in summary.get("ranks", [])), default=None)
-    return record
+        out["inter_node_bytes_per_step"] = summary.get("bytes_inter_per_step")
+        out["checkpoint_s"] = max((r.get("checkpoint_s", 0.0) for r in summary.get("ranks", [])), default=None)
+    return out
+
+
+def remeasure(path: Path) -> int:
+    """Measure every node-fault record of a results file again from its run folder (kept in place)."""
+    from lightning_syncasync.bench.scenarios import lookup
+
+    records = json.loads(path.read_text())
+    done = 0
+    for rec in records:
+        sc = lookup(rec["scenario"])
+        if sc is None or not sc.elastic or "error" in rec or not Path(rec["run_dir"]).exists():
+            continue
+        rates = rec.get("node_rates") or [
+            sum(rec["ideal_per_rank_samples_per_s"][n * sc.procs_per_node : (n + 1) * sc.procs_per_node])
+            for n in range(sc.nodes)
+        ]
+        fresh = measure(Path(rec["run_dir"]), sc, bool(rec.get("quick")), rates, rec["elastic_launch"] == "torchft")
+        for key in ("samples_useful", "samples_lost", "goodput_samples_per_s", "goodput_frac", "kill_to_commit_s",
+                    "start_to_commit_s", "rate_before_join", "rate_after_join"):  # fmt: skip
+            rec.pop(key, None)  # a figure the analysis no longer gives must not survive from the old one
+        rec.update(fresh)
+        ideal = rec.get("ideal_samples_per_s")
+        rec["efficiency"] = rec["samples_per_s"] / ideal if rec.get("samples_per_s") and ideal else None
+        done += 1
+    path.write_text(json.dumps(records, indent=1, default=str))
+    return done
 
 
 def _joiner(results: list[Path]) -> dict[str, float | None]:
@@ -208,6 +244,7 @@ def analyse(
     nodes: int,
     reached: Any,
     metric: str,
+    restarted: bool = True,
 ) -> dict[str, Any]:
     """The figures of the module docstring from the nodes' timelines and the scheduler's view of each node's runs
     (``start``/``end`` wall times, ``killed``). Pure: tested on hand-made timelines."""
@@ -235,13 +272,17 @@ def analyse(
             continue
         total = float(st[-1]["samples"])
         trained += total
+        if not restarted and "committed_steps" not in st[-1]:
+            # A fault-tolerant node whose exchange reports no commits (torchft's DiLoCo): what it kept is unknown.
+            useful = float("nan")
+            continue
         if "committed_steps" in st[-1]:
             per_step = total / len(st)
             useful += st[-1]["committed_steps"] * per_step
             last = 0
             for x in st:
                 if x["committed_steps"] > last:
-                    commits.append((x["t"], node, x["participants"]))
+                    commits.append((x["t"], node, x["participants"], seg[0]["t"]))
                 last = x["committed_steps"]
         else:
             # A restarted job: what the next run of the job resumed from (its first step) was kept.
@@ -249,7 +290,10 @@ def analyse(
             nxt = min(later, key=lambda s: s[0]["t"]) if later else None
             resumed = None if nxt is None else nxt[0].get("step")
             useful += total if resumed is None else sum(x["samples"] - p for x, p in _incr(st) if x["step"] <= resumed)
-            commits += [(x["t"], node, x["participants"]) for x in st]
+            # Every step commits an update, but steps taken after a kill that the next restart rolls back do not
+            # count: a run's steps count from its start, and the kill's recovery is the first step of a run that
+            # started after it (kill_to_commit_s below).
+            commits += [(x["t"], node, x["participants"], seg[0]["t"]) for x in st]
     commits.sort()
     wall = t_end - t0
     present = 0.0
@@ -259,14 +303,15 @@ def analyse(
             present += node_rates[r["node"]] * (b - a)
     val = [x for x in all_lines if "val" in x and metric in x["val"]]
     hit = next((x for x in val if reached(x["val"][metric])), None)
+    known = useful == useful  # NaN: not measurable for this exchange
     out: dict[str, Any] = {
         "samples_trained": trained,
-        "samples_useful": useful,
-        "samples_lost": max(trained - useful, 0.0),
+        "samples_useful": useful if known else None,
+        "samples_lost": max(trained - useful, 0.0) if known else None,
         "samples_per_s": trained / wall if wall > 0 else None,
-        "goodput_samples_per_s": useful / wall if wall > 0 else None,
+        "goodput_samples_per_s": useful / wall if wall > 0 and known else None,
         "limit_samples_per_s": present / wall if wall > 0 else None,
-        "goodput_frac": useful / present if present > 0 else None,
+        "goodput_frac": useful / present if present > 0 and known else None,
         "time_to_target_s": None if hit is None else hit["t"] - t0,
         "final_val_metric": val[-1]["val"][metric] if val else None,
         "elastic_wall_s": wall,
@@ -274,13 +319,13 @@ def analyse(
     kills = [r for r in runs if r["killed"] and r["end"] is not None]
     if kills:
         k = kills[0]
-        nxt = next((c for c in commits if c[0] > k["end"] and c[1] != k["node"]), None)
-        out["kill_to_commit_s"] = None if nxt is None else nxt[0] - k["end"]
+        after = [c for c in commits if c[0] > k["end"] and c[1] != k["node"] and (not restarted or c[3] > k["end"])]
+        out["kill_to_commit_s"] = min(after)[0] - k["end"] if after else None
     # The (re)started node: its last run's start (a node restarted after a kill, or one that joined late).
-    restarted = [r for r in runs if r["start"] > t0 or sum(1 for q in runs if q["node"] == r["node"]) > 1]
-    restarted = [r for r in restarted if not r["killed"]]
-    if restarted:
-        s = max(restarted, key=lambda r: r["start"])
+    late = [r for r in runs if r["start"] > t0 or sum(1 for q in runs if q["node"] == r["node"]) > 1]
+    late = [r for r in late if not r["killed"]]
+    if late:
+        s = max(late, key=lambda r: r["start"])
         full = next((c for c in commits if c[0] > s["start"] and c[2] >= nodes), None)
         out["start_to_commit_s"] = None if full is None else full[0] - s["start"]
         # Throughput before the node's (re)start and after its first full update (scale-out's speed-up).
@@ -327,3 +372,11 @@ def _series(segments: list[tuple[int, list[dict[str, Any]]]], val: list[dict[str
         "samples_per_s": [((b + 0.5) * window, v / window) for b, v in sorted(bins.items())],
         "val": [(round(x["t"] - t0, 2), x["val"][metric]) for x in val],
     }
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="measure node-fault records again from their run folders")
+    parser.add_argument("--remeasure", type=Path, required=True, help="a syncasync-bench results.json")
+    print(f"{remeasure(parser.parse_args().remeasure)} record(s) measured again")

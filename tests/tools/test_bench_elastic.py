@@ -25,7 +25,8 @@ def test_a_restarted_job_keeps_only_what_each_restart_resumed_from():
     # Run 1: steps 1-10 (100 samples each) with 2 nodes; node 1 dies at 10.5 s. Run 2 resumes from the checkpoint of
     # step 5 alone (50 samples a step), trains steps 6-10, and is restarted when node 1 is back; run 3 resumes from
     # step 8 and trains steps 9-20 with both nodes.
-    node0 = [{"t": 0.0, "event": "start", "step": 0}, *_steps(1, 1, 10, 100, 2)]
+    # Run 1 takes one more step (t=11) after the kill, which the restart rolls back: not a recovery.
+    node0 = [{"t": 0.0, "event": "start", "step": 0}, *_steps(1, 1, 11, 100, 2)]
     node0 += [{"t": 20.0, "event": "start", "step": 5}, *_steps(21, 6, 5, 50, 1)]
     node0 += [{"t": 30.0, "event": "start", "step": 8}, *_steps(31, 9, 12, 100, 2)]
     node0 += [{"t": 35.5, "step": 13, "val": {"val_acc": 0.5}}, {"t": 42.5, "step": 20, "val": {"val_acc": 0.8}}]
@@ -36,9 +37,9 @@ def test_a_restarted_job_keeps_only_what_each_restart_resumed_from():
         {"node": 1, "start": 25.0, "end": 42.5, "killed": False},
     ]
     out = analyse({0: node0, 1: []}, runs, [100.0, 100.0], 2, lambda v: v >= 0.7, "val_acc")
-    assert out["samples_trained"] == 1000 + 250 + 1200
+    assert out["samples_trained"] == 1100 + 250 + 1200
     assert out["samples_useful"] == 500 + 150 + 1200
-    assert out["samples_lost"] == 600
+    assert out["samples_lost"] == 700
     assert out["kill_to_commit_s"] == pytest.approx(21 - 10.5)  # the survivors' first step after the kill
     assert out["start_to_commit_s"] == pytest.approx(31 - 25)  # the first step with both nodes after the restart
     assert out["time_to_target_s"] == pytest.approx(42.5) and out["final_val_metric"] == 0.8
@@ -46,7 +47,7 @@ def test_a_restarted_job_keeps_only_what_each_restart_resumed_from():
     assert out["goodput_frac"] == pytest.approx(1850 / present)
     assert out["limit_samples_per_s"] == pytest.approx(present / 42.5)
     assert out["series"]["participants"][0] == (1.0, 2)
-    assert out["rate_before_join"] == pytest.approx((1000 + 250) / 25)  # until node 1's job started again
+    assert out["rate_before_join"] == pytest.approx((1100 + 250) / 25)  # until node 1's job started again
     assert out["rate_after_join"] == pytest.approx(11 * 100 / (42.5 - 31))  # after the first step with both
 
 
@@ -63,13 +64,22 @@ def test_fault_tolerant_nodes_count_what_entered_committed_rounds():
         {"node": 1, "start": -1.0, "end": 6.5, "killed": True},
         {"node": 1, "start": 11.0, "end": 20.5, "killed": False},
     ]
-    out = analyse({0: node0, 1: node1}, runs, [100.0, 100.0], 2, lambda v: False, "val_acc")
+    out = analyse({0: node0, 1: node1}, runs, [100.0, 100.0], 2, lambda v: False, "val_acc", restarted=False)
     assert out["samples_trained"] == 80 * (20 + 6 + 7)
     assert out["samples_useful"] == 80 * (20 + 4 + 7)
     assert out["samples_lost"] == 80 * 2
     assert out["kill_to_commit_s"] == pytest.approx(8 - 6.5)  # node 0's next commit (step 8 at t=8)
     assert out["start_to_commit_s"] == pytest.approx(14 - 11)  # the joiner's first commit with 2 nodes
     assert out["time_to_target_s"] is None and out["final_val_metric"] is None
+
+
+def test_an_exchange_that_reports_no_commits_has_no_goodput_rather_than_a_guess():
+    # torchft's DiLoCo: the nodes' steps are known, what entered a committed sync is not.
+    node0 = [{"t": 0.0, "event": "start", "step": 0}, *_steps(1, 1, 10, 80, 2)]
+    runs = [{"node": 0, "start": -1.0, "end": 10.5, "killed": False}]
+    out = analyse({0: node0}, runs, [100.0], 1, lambda v: False, "val_acc", restarted=False)
+    assert out["samples_trained"] == 800 and out["samples_per_s"] == pytest.approx(800 / 10)
+    assert out["samples_useful"] is None and out["goodput_frac"] is None and out["samples_lost"] is None
 
 
 def test_fault_times_are_fractions_of_the_budget_at_the_measured_limit():
