@@ -446,6 +446,8 @@ def _rebalances(scenario: str, strategy: str, s: dict[str, Any]) -> list[str]:
 def _explain(scenario: str, strategy: str, s: dict[str, Any]) -> str:
     """What the design brief's reader needs to read a bounded-staleness result under a persistent straggler."""
     config = (s["runs"][0].get("config") or {}).get("strategy") or {}
+    if not isinstance(config, dict):  # a registered name given as trainer.strategy (no strategy group)
+        return ""
     target = str(config.get("_target_", ""))
     if not target.endswith("AsyncSSPStrategy") or scenario not in ("straggler", "mid_run_straggler"):
         return ""
