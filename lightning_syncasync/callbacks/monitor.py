@@ -509,6 +509,15 @@ def _topology(trainer: pl.Trainer) -> dict[str, Any]:
     return {"num_nodes": topology.num_nodes, "node_size": topology.node_size, "machines": machines}
 
 
+def _codec(strategy: Any) -> str | None:
+    """The strategy's compression codec and its options (``int8``, ``topk(ratio=0.01)``), ``None`` when off."""
+    name = getattr(strategy, "compression", None)
+    if not isinstance(name, str) or name == "none":
+        return None
+    options = getattr(strategy, "compression_options", None) or {}
+    return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
+
+
 def _topology_text(summary: dict[str, Any]) -> str:
     nodes, machines = summary["num_nodes"], summary.get("machines", summary["num_nodes"])
     if "participants_max" in summary:  # one node of a fault-tolerant job
@@ -567,6 +576,8 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
     return {
         **nodes_present,
         "strategy": type(trainer.strategy).__name__,
+        "compression": _codec(trainer.strategy),
+        "notes": list(getattr(trainer.strategy, "summary_notes", list)()),
         "mode": mode,
         "world_size": trainer.world_size,
         **_topology(trainer),
@@ -595,9 +606,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=(f"syncasync summary: {summary['strategy']} (mode {summary['mode']}), {_topology_text(summary)}")
-    )
+    codec = f", compression {summary['compression']}" if summary.get("compression") else ""
+    title = f"syncasync summary: {summary['strategy']} (mode {summary['mode']}{codec}), {_topology_text(summary)}"
+    # Notes go in the header, where users look (a one-node hier_sync run is plain DDP; an async step budget).
+    table = Table(title="\n".join([title, *(f"NOTE: {n}" for n in summary.get("notes", []))]))
     for col in (
         "rank",
         "steps",
