@@ -29,7 +29,10 @@ import lightning_syncasync  # noqa: F401  (registers the strategy names)
 import lightning_syncasync.callbacks  # noqa: F401  (makes SyncMonitor resolvable by its short name)
 import lightning_syncasync.demo  # noqa: F401  (makes the demo classes resolvable by their short names)
 from lightning_syncasync._progress_bar import resolve_enable_progress_bar
+from lightning_syncasync._quiet import quiet_third_party_noise
 from lightning_syncasync.strategies import check_strategy_name
+
+quiet_third_party_noise()
 
 DEFAULT_CONFIG = Path(__file__).with_name("cli_defaults.yaml")
 CLI_EXTRA_HINT = 'HINT: pip install "lightning-syncasync[cli]"'

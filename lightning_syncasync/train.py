@@ -33,6 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_syncasync._cores import usable_cores
+from lightning_syncasync._quiet import quiet_third_party_noise
 from lightning_syncasync.configs import register_configs
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 ENV_MULTIRUN_CHILD = "SYNCASYNC_MULTIRUN_CHILD"
 
 register_configs()
+quiet_third_party_noise()
 
 
 def validate_config(cfg: DictConfig) -> None:

@@ -16,6 +16,12 @@ from lightning_syncasync.strategies import pack_strategy_names
 CLI = [sys.executable, "-m", "lightning_syncasync.cli"]
 
 
+@pytest.fixture(autouse=True)
+def _own_argv(monkeypatch):
+    """The CLI reads sys.argv when it is given no args: pytest's own arguments are not a user's command line."""
+    monkeypatch.setattr(sys, "argv", ["syncasync-cli"])
+
+
 def _cli(tmp_path: Path, *args: str, timeout: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
 
