@@ -92,6 +92,15 @@ class SyncAsyncCLI(LightningCLI):
         enable_progress_bar = resolve_enable_progress_bar(trainer_kwargs, callbacks)
         return super().instantiate_trainer(**{**kwargs, "enable_progress_bar": enable_progress_bar})
 
+    def after_fit(self) -> None:
+        """The final metrics, as ``syncasync-train`` ends (Lightning's CLI prints none after fit)."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        shown = ", ".join(f"{k}={float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())
+                          if k.startswith("val") and getattr(v, "numel", lambda: 0)() == 1)  # fmt: skip
+        print(f"done: {shown or 'no validation metric logged'} after {trainer.global_step} steps", flush=True)
+
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> SyncAsyncCLI:
     """Build (and with ``run=True`` run) the CLI; ``args`` replaces ``sys.argv[1:]`` (for tests and notebooks).
