@@ -143,6 +143,10 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
     gaps = {int(k): v for k, v in summary["histograms"]["clock_gap"].items()}
     assert sum(gaps.values()) == 12 and max(gaps) <= s
     assert sum(summary["histograms"]["staleness"].values()) == 12
+    # One definition of staleness: the summary's rank-0 figures are its histogram's mean and max over updates.
+    hist = {int(k): v for k, v in summary["histograms"]["staleness"].items()}
+    assert summary["ranks"][0]["staleness_max"] == max(hist)
+    assert summary["ranks"][0]["staleness_mean"] == pytest.approx(sum(k * v for k, v in hist.items()) / 12)
 
 
 @pytest.mark.timeout(400)
