@@ -29,7 +29,10 @@ import lightning_syncasync  # noqa: F401  (registers the strategy names)
 import lightning_syncasync.callbacks  # noqa: F401  (makes SyncMonitor resolvable by its short name)
 import lightning_syncasync.demo  # noqa: F401  (makes the demo classes resolvable by their short names)
 from lightning_syncasync._progress_bar import resolve_enable_progress_bar
+from lightning_syncasync._quiet import quiet_third_party_noise
 from lightning_syncasync.strategies import check_strategy_name
+
+quiet_third_party_noise()
 
 DEFAULT_CONFIG = Path(__file__).with_name("cli_defaults.yaml")
 CLI_EXTRA_HINT = 'HINT: pip install "lightning-syncasync[cli]"'
@@ -79,6 +82,20 @@ class SyncAsyncCLI(LightningCLI):
                 parser.error(str(err))
 
     @override
+    def instantiate_classes(self) -> None:
+        # A refused setting raises our ValueError (its message ends in a HINT) inside jsonargparse's instantiation,
+        # which wraps it in a traceback and a dump of every default. A CLI user gets our paragraph and exit status 2,
+        # as for a parser error.
+        try:
+            super().instantiate_classes()
+        except Exception as err:  # noqa: BLE001 - re-raised unless it carries one of our messages
+            message = our_message(err)
+            if message is None:
+                raise
+            print(f"syncasync-cli: error: {message}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init.get(str(self.subcommand), self.config_init)
         trainer_kwargs = {**config.get("trainer", {}), **kwargs}
@@ -88,6 +105,61 @@ class SyncAsyncCLI(LightningCLI):
         # The bar's setting is resolved before the Trainer sees it: Lightning's `None` would mean a bar everywhere.
         enable_progress_bar = resolve_enable_progress_bar(trainer_kwargs, callbacks)
         return super().instantiate_trainer(**{**kwargs, "enable_progress_bar": enable_progress_bar})
+
+    def after_fit(self) -> None:
+        """The final metrics, as ``syncasync-train`` ends (Lightning's CLI prints none after fit)."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        shown = ", ".join(f"{k}={float(v):.4f}" for k, v in sorted(trainer.callback_metrics.items())
+                          if k.startswith("val") and getattr(v, "numel", lambda: 0)() == 1)  # fmt: skip
+        print(f"done: {shown or 'no validation metric logged'} after {trainer.global_step} steps", flush=True)
+
+
+def our_message(err: BaseException) -> str | None:
+    """The first message of this package's in ``err``'s chain (a line with ``HINT:``), without jsonargparse's
+    wrapping; ``None`` when there is none (somebody else's error keeps its traceback)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for line in str(current).splitlines():
+            line = line.strip().removeprefix("- ").strip()
+            if "HINT:" in line:
+                return line.split(". Got value:")[0]
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def expand_strategy_name(argv: list[str]) -> list[str]:
+    """``--trainer.strategy=hier_sync --trainer.strategy.inter_period=4``: a registered name with settings of its
+    own. jsonargparse accepts settings only after a class path, so the name becomes its class path plus the name's
+    own settings (``hier_sync_virtual``'s ``virtual_nodes=2``, a ``*_spawn`` name's ``start_method``), ahead of the
+    user's, which win. A name with no settings after it is left to Lightning's registry."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--trainer.strategy="):
+            name, at = arg.split("=", 1)[1], i
+        elif arg == "--trainer.strategy" and i + 1 < len(out):
+            name, at = out[i + 1], i + 1
+        else:
+            continue
+        settings = any(a.startswith("--trainer.strategy.") for a in out)
+        if not settings or name not in StrategyRegistry:
+            return out
+        entry = StrategyRegistry[name]
+        cls = entry["strategy"]
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        own = [f"--trainer.strategy.init_args.{k}={_cli_value(v)}" for k, v in entry["init_params"].items()]
+        out[at] = f"--trainer.strategy={path}" if at == i else path
+        return out[: at + 1] + own + out[at + 1 :]
+    return out
+
+
+def _cli_value(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> SyncAsyncCLI:
@@ -102,6 +174,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> SyncAsyncCLI:
             f"old here ({_MISSING_CLI_EXTRA.splitlines()[0]}); {CLI_EXTRA_HINT}"
         )
     default_files = [str(DEFAULT_CONFIG)]
+    if args is not None:
+        args = expand_strategy_name(args)
     return SyncAsyncCLI(
         LightningModule,
         LightningDataModule,
@@ -178,7 +252,7 @@ def main() -> None:
         sys.exit(f"syncasync-cli: error: {err}")
     if nodes and not os.environ.get("SYNCASYNC_FT_NODE"):
         sys.exit(_run_ft(nodes, faults, argv))
-    sys.argv[1:] = argv
+    sys.argv[1:] = expand_strategy_name(argv)
     try:
         build_cli()
     except CLIExtraMissing as err:

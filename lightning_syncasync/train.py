@@ -33,6 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_syncasync._cores import usable_cores
+from lightning_syncasync._quiet import quiet_third_party_noise
 from lightning_syncasync.configs import register_configs
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 ENV_MULTIRUN_CHILD = "SYNCASYNC_MULTIRUN_CHILD"
 
 register_configs()
+quiet_third_party_noise()
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -243,8 +245,8 @@ def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_syncasync.conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """Entry point of ``syncasync-train``. Returns ``cfg.optimized_metric`` for Hydra sweepers."""
+def hydra_main(cfg: DictConfig) -> float | None:
+    """The Hydra app. Returns ``cfg.optimized_metric`` for Hydra sweepers."""
     if cfg.get("ft", 0) and not os.environ.get("SYNCASYNC_FT_NODE"):
         results = _run_fault_tolerant_job(cfg)
     elif HydraConfig.get().mode == RunMode.MULTIRUN and not os.environ.get(ENV_MULTIRUN_CHILD):
@@ -253,6 +255,42 @@ def main(cfg: DictConfig) -> float | None:
         results = run(cfg)
     value = results["metrics"].get(cfg.optimized_metric)
     return None if value is None else float(value)
+
+
+def check_group_choice(argv: list[str], group: str = "strategy") -> None:
+    """``strategy=NAME`` (or a sweep ``strategy=a,b``) naming no config of the group: our message with a "did you
+    mean" instead of Hydra's "Could not find 'strategy/NAME'". Left to Hydra when ``hydra.searchpath`` may add
+    configs of the user's own."""
+    import difflib
+    from importlib.resources import files
+
+    if any(a.split("=", 1)[0].lstrip("+") == "hydra.searchpath" for a in argv):
+        return
+    options = sorted(p.name.removesuffix(".yaml") for p in (files("lightning_syncasync") / "conf" / group).iterdir()
+                     if p.name.endswith(".yaml"))  # fmt: skip
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key.lstrip("+~") != group or value.startswith(("$", "[", "{")) or not value:
+            continue
+        for name in value.split(","):
+            if name in options or name == "null":
+                continue
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+            hint = f"did you mean {group}={close[0]}? " if close else ""
+            raise ValueError(
+                f"{group}={name} is not one of the {group} configs; HINT: {hint}the configs: {', '.join(options)}. "
+                f"A strategy name registered in Python (Trainer(strategy=...)) also works as trainer.strategy=NAME."
+            )
+
+
+def main() -> float | None:
+    """Entry point of ``syncasync-train``: the Hydra app, after the checks Hydra's own messages are vague about."""
+    try:
+        check_group_choice(sys.argv[1:])
+    except ValueError as err:
+        print(f"syncasync-train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return hydra_main()
 
 
 if __name__ == "__main__":

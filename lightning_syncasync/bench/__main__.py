@@ -20,7 +20,15 @@ from lightning_syncasync.emulate.network import EmulationUnavailable, check_netn
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="syncasync-bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="syncasync-bench",
+        description=__doc__.split("\n")[0],
+        epilog="examples:\n"
+        + "\n".join(f"  {line}" for line in __doc__.strip().splitlines()[2:])
+        + "\n\n`syncasync-bench report --help`: regenerate docs from committed results. `--list`: the scenarios "
+        "(smoke: seconds on loopback, a check that everything runs, not a measurement) and contenders.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--scenario", required=True, help=f"comma-separated, from {sorted(SCENARIOS)}")
     p.add_argument("--strategies", default="ddp", help="comma-separated contenders, or 'baselines'")
     p.add_argument("--out", default="bench_out", help="output folder (results accumulate across invocations)")

@@ -315,12 +315,22 @@ def _memory_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
         if k == "ddp":
             ratio = "reference"
         else:
-            ratio = f"{ddp / s['optimizer_state_mb']:.2f}x smaller" if ddp and s["optimizer_state_mb"] else "n/a"
+            ratio = _size_ratio(ddp, s["optimizer_state_mb"])
         lines.append(
             f"| {k} | {_fmt(s['peak_rss_mb'], '.0f')} | {_fmt(s['cuda_peak_mb'], '.0f')} "
             f"| {_fmt(s['optimizer_state_mb'], '.2f')} | {ratio} |"
         )
     return lines + [""]
+
+
+def _size_ratio(reference: float | None, value: float | None) -> str:
+    """``value`` against ``reference`` in words: "4.00x smaller", "1.50x larger", "the same" (within 1%)."""
+    if not reference or not value:
+        return "n/a"
+    ratio = reference / value
+    if abs(ratio - 1.0) < 0.01:
+        return "the same"
+    return f"{ratio:.2f}x smaller" if ratio > 1 else f"{1 / ratio:.2f}x larger"
 
 
 def _answers(name: str, by_strategy: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:

@@ -253,7 +253,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             name="straggler_long",
-            description="4 ranks on one node, rank 3 persistently 1.5x slower; MNIST-5k convnet, 16 epochs",
+            description="4 ranks on one node, rank 3 persistently 1.5x slower; MNIST-5k convnet",
             nodes=1, procs_per_node=4, schedule="3:1.5@0-1", overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_CONV_MIRRORS,
@@ -261,29 +261,28 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             name="jitter_long",
             description="4 ranks on one node, each step each rank pauses 4x its compute time with p=0.1; MNIST-5k "
-            "convnet, 16 epochs",
+            "convnet",
             nodes=1, procs_per_node=4, jitter="0.1:4", overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_CONV_MIRRORS,
         ),
         Scenario(
             name="mid_run_straggler_long",
-            description="4 ranks on one node, rank 3 2x slower from 1/3 to 2/3 of training; MNIST-5k convnet, "
-            "16 epochs",
+            description="4 ranks on one node, rank 3 2x slower from 1/3 to 2/3 of training; MNIST-5k convnet",
             nodes=1, procs_per_node=4, schedule="3:2@0.333-0.667", overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_CONV_MIRRORS,
         ),
         Scenario(
             name="homogeneous_long",
-            description="4 ranks on one node, no stragglers (the async overhead check); MNIST-5k convnet, 16 epochs",
+            description="4 ranks on one node, no stragglers (the async overhead check); MNIST-5k convnet",
             nodes=1, procs_per_node=4, overrides=_MNIST, steps=_MNIST_STEPS, quick_steps=_MNIST_QUICK_STEPS,
             target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET, mirrors=_CONV_MIRRORS,
         ),
         Scenario(
             name="hetero_slow_link",
             description="2 nodes x 2 ranks, 100 Mbit/s between nodes, node 1 (ranks 2, 3) 1.5x slower; MNIST-5k "
-            "convnet, 16 epochs",
+            "convnet",
             nodes=2, procs_per_node=2, link_mbit=100.0, schedule="2:1.5@0-1,3:1.5@0-1", overrides=_MNIST,
             steps=_MNIST_STEPS, quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET,
             quick_target=_MNIST_QUICK_TARGET, mirrors=_HETERO_MIRRORS,
@@ -291,7 +290,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             name="elastic_no_faults",
             description="2 nodes x 2 ranks, 100 Mbit/s between nodes, one job per node (torchft, or torchrun "
-            "restarts from a checkpoint every 50 steps), no fault; MNIST-5k convnet, 16 epochs",
+            "restarts from a checkpoint every 50 steps), no fault; MNIST-5k convnet",
             **_ELASTIC,
         ),
         Scenario(

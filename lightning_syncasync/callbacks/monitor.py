@@ -73,6 +73,11 @@ class SyncMonitor(Callback):
     validation's wall-clock time since fit started, the same without the time spent validating, step, samples seen by
     this rank, and ``val*`` metrics) and ``events`` (decisions policies reported through :meth:`record_event`).
 
+    Staleness, one definition: the staleness of an applied update (a round's lag in rounds, an SSP update's age in
+    versions). Per step, the mean and max over the updates applied in that step (0 in a step that applied none); in
+    the summary, the mean and max over every update of the run, warm-up and cuts included, which is what the
+    strategies' own log lines ("lag mean ... max ...") report.
+
     Args:
         prefix: metric name prefix.
         progress_bar: show this rank's samples/s, the wait fraction and the sync mode in the progress bar.
@@ -337,6 +342,9 @@ class SyncMonitor(Callback):
             **_memory(trainer),
             "sync_point_s": self._recorder.sync_point_s,
             "checkpoint_s": self._recorder.checkpoint_s,
+            # Staleness per applied update (a round's lag, an SSP update's versions), over every update of the run,
+            # as the strategies' own log lines count it; the per-step figures average steps with no update as 0.
+            **_per_update(self._recorder.histograms.get("staleness", {})),
         }
         self._flush()
         local = [memory[k] if k in memory else float(self._agg[k].compute()) for k in _FIELDS]
@@ -509,6 +517,23 @@ def _topology(trainer: pl.Trainer) -> dict[str, Any]:
     return {"num_nodes": topology.num_nodes, "node_size": topology.node_size, "machines": machines}
 
 
+def _per_update(hist: dict[int, int]) -> dict[str, float]:
+    """Mean and max staleness over the updates of a ``{staleness: count}`` histogram (0/0 with none)."""
+    count = sum(hist.values())
+    if not count:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    return {"staleness_mean": sum(v * c for v, c in hist.items()) / count, "staleness_max": float(max(hist))}
+
+
+def _codec(strategy: Any) -> str | None:
+    """The strategy's compression codec and its options (``int8``, ``topk(ratio=0.01)``), ``None`` when off."""
+    name = getattr(strategy, "compression", None)
+    if not isinstance(name, str) or name == "none":
+        return None
+    options = getattr(strategy, "compression_options", None) or {}
+    return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
+
+
 def _topology_text(summary: dict[str, Any]) -> str:
     nodes, machines = summary["num_nodes"], summary.get("machines", summary["num_nodes"])
     if "participants_max" in summary:  # one node of a fault-tolerant job
@@ -567,6 +592,8 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
     return {
         **nodes_present,
         "strategy": type(trainer.strategy).__name__,
+        "compression": _codec(trainer.strategy),
+        "notes": list(getattr(trainer.strategy, "summary_notes", list)()),
         "mode": mode,
         "world_size": trainer.world_size,
         **_topology(trainer),
@@ -595,9 +622,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=(f"syncasync summary: {summary['strategy']} (mode {summary['mode']}), {_topology_text(summary)}")
-    )
+    codec = f", compression {summary['compression']}" if summary.get("compression") else ""
+    title = f"syncasync summary: {summary['strategy']} (mode {summary['mode']}{codec}), {_topology_text(summary)}"
+    # Notes go in the header, where users look (a one-node hier_sync run is plain DDP; an async step budget).
+    table = Table(title="\n".join([title, *(f"NOTE: {n}" for n in summary.get("notes", []))]))
     for col in (
         "rank",
         "steps",
@@ -607,7 +635,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         "wait %",
         "intra KB/step",
         "inter KB/step",
-        "staleness mean/max",
+        "staleness mean/max per update",
     ):
         table.add_column(col, justify="right")
 

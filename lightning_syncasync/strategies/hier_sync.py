@@ -252,6 +252,17 @@ class HierSyncStrategy(
         return self.warmup_steps > 0 and (self.averager is None or self.averager.in_warmup)
 
     @override
+    def summary_notes(self) -> list[str]:
+        """What SyncMonitor's summary header should say about this run (a one-node run is plain DDP)."""
+        topo = self.topology
+        if topo is None or topo.num_nodes > 1:
+            return []
+        what = "plain Lightning at one device" if self.world_size == 1 else "plain DDP"
+        return [
+            f"one node: every step was {what}, nothing was averaged across nodes. HINT: on one machine with 2 or "
+            "more devices, strategy=hier_sync_virtual (or node_size=N) splits the ranks into virtual nodes"
+        ]
+
     def teardown(self) -> None:
         # Wait for in-flight communication before the process groups go away.
         try:

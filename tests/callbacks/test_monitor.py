@@ -203,3 +203,24 @@ def test_summary_printout_lists_policy_events(capsys):
     _print_summary(summary)
     out = capsys.readouterr().out
     assert "step 4 (1.5 s): switch: mode=sync; next=hier; reason=communication 71% >= 35%" in out
+
+
+def test_summary_header_names_the_codec_and_the_strategys_notes(capsys):
+    from lightning_syncasync.callbacks.monitor import _codec, _print_summary
+
+    class Strategy:  # the two attributes every compressing strategy of the pack has
+        compression, compression_options = "topk", {"ratio": 0.01}
+
+    assert _codec(Strategy()) == "topk(ratio=0.01)"
+    Strategy.compression = "none"
+    assert _codec(Strategy()) is None
+    rank = {"rank": 0, "steps": 10, "samples_per_s": 5.0, "compute_s_per_step": 0.1, "wait_s_per_step": 0.01,
+            "wait_frac": 0.1, "bytes_intra_per_step": 0, "bytes_inter_per_step": 0, "staleness_mean": 0.0,
+            "staleness_max": 0}  # fmt: skip
+    summary = {**rank, "strategy": "HierSyncStrategy", "mode": "sync", "world_size": 2, "num_nodes": 1,
+               "ranks": [rank], "global_samples_per_s": 5.0, "compression": "int8",
+               "notes": ["one node: every step was plain DDP"]}  # fmt: skip
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    header = out.split("┏")[0]  # above the table
+    assert "(mode sync, compression int8)" in header and "NOTE: one node: every step was plain DDP" in header

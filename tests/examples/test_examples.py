@@ -147,6 +147,7 @@ def test_cli_config_fits(tmp_path):
         tmp_path, timeout=130,
     )  # fmt: skip
     assert "syncasync summary: AsyncSSPStrategy" in proc.stdout, proc.stdout[-3000:]
+    assert re.search(r"done: .*val_\w+=\d\.\d{4}.* after \d+ steps", proc.stdout), proc.stdout[-1000:]  # final metric
     summary = json.loads((tmp_path / "outputs" / "cli" / "sync_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "AsyncSSPStrategy"
     assert list((tmp_path / "outputs" / "cli").rglob("last.ckpt")), "ModelCheckpoint(save_last=True) wrote nothing"

@@ -5,6 +5,7 @@ default) is tested in ``test_async_rounds.py``."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,10 @@ def test_bound_holds_under_a_straggler_with_lightning_collectives(tmp_path):
     gaps = {int(k): v for k, v in summary["histograms"]["clock_gap"].items()}
     assert sum(gaps.values()) == 12 and max(gaps) <= s
     assert sum(summary["histograms"]["staleness"].values()) == 12
+    # One definition of staleness: the summary's rank-0 figures are its histogram's mean and max over updates.
+    hist = {int(k): v for k, v in summary["histograms"]["staleness"].items()}
+    assert summary["ranks"][0]["staleness_max"] == max(hist)
+    assert summary["ranks"][0]["staleness_mean"] == pytest.approx(sum(k * v for k, v in hist.items()) / 12)
 
 
 @pytest.mark.timeout(400)
@@ -216,6 +221,10 @@ def test_claimed_batches_let_fast_ranks_train_more_under_a_straggler(tmp_path):
         torch.testing.assert_close(r["final"], res[0]["final"], rtol=0, atol=0)  # the merged model everywhere
         assert "val_loss" in r["metrics"] and "train_acc" in r["metrics"]  # every rank validated at epoch ends
     assert trainer.max_steps == 12  # given back as the user set it
+    (note,) = json.loads((out / "summary.json").read_text())["notes"]  # the summary's header explains the counts
+    assert "max_steps=12 is a budget over all ranks here: 36 batches (12 x 3 ranks)" in note
+    trained = re.search(r"; (\d+) were trained", note)
+    assert trained is not None and 36 <= int(trained.group(1)) <= 38, note
 
 
 def test_claimed_batches_refuse_per_rank_validation_intervals(tmp_path):

@@ -336,14 +336,18 @@ def test_manual_optimisation_with_two_optimizers_and_clipping(tmp_path):
 @pytest.mark.timeout(120)
 def test_one_rank_says_it_is_plain_lightning_and_names_the_virtual_nodes(tmp_path):
     # One process in this process, so the notice is seen here (forked ranks' warnings are not).
+    monitor = SyncMonitor(print_summary=False)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=HierSyncStrategy(), max_steps=1, logger=False,
                       default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)  # fmt: skip
+                      enable_model_summary=False, callbacks=[monitor])  # fmt: skip
     with pytest.warns(
         UserWarning, match=r"one rank, so there is nothing to average.*node_size.*hier_sync_virtual"
     ) as seen:
         trainer.fit(TinyModel())
     assert len([w for w in seen if "nothing to average" in str(w.message)]) == 1  # one line, not one per step
+    # ... and the summary's header says it too, where a user reads the run's figures (the warning scrolls away).
+    (note,) = monitor.summary["notes"]
+    assert note.startswith("one node: every step was plain Lightning at one device") and "hier_sync_virtual" in note
 
 
 @pytest.mark.timeout(200)
@@ -368,6 +372,7 @@ def test_virtual_nodes_from_the_registered_name(tmp_path):
     # "all-reduce" moves no byte.
     assert (summary["num_nodes"], summary["node_size"], summary["machines"]) == (2, 1, 1)
     assert _topology_text(summary) == "2 rank(s) as 2 virtual node(s) of 1 on 1 machine(s)"
+    assert summary["notes"] == [] and summary["compression"] is None  # virtual nodes average: nothing to warn about
     assert all(r["bytes_intra_per_step"] == 0 and r["bytes_inter_per_step"] > 0 for r in summary["ranks"])
 
 

@@ -224,3 +224,19 @@ def test_long_scenarios_compose_and_train_at_least_ten_epochs(tmp_path, name):
         assert slow == {2: 1.5, 3: 1.5}  # node 1
     else:
         assert (scenario.nodes, scenario.procs_per_node) == (1, 4)
+
+
+def test_help_names_the_report_subcommand_and_the_smoke_scenario(capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["--help"])
+    out = capsys.readouterr().out
+    assert "syncasync-bench report --from docs/results" in out and "smoke" in out
+
+
+def test_optimizer_state_ratio_reads_the_right_way_round():
+    from lightning_syncasync.bench.report import _size_ratio
+
+    assert _size_ratio(4.0, 1.0) == "4.00x smaller"
+    assert _size_ratio(1.0, 1.5) == "1.50x larger"
+    assert _size_ratio(1.0, 1.004) == "the same"
+    assert _size_ratio(None, 1.0) == "n/a"

@@ -16,6 +16,12 @@ from lightning_syncasync.strategies import pack_strategy_names
 CLI = [sys.executable, "-m", "lightning_syncasync.cli"]
 
 
+@pytest.fixture(autouse=True)
+def _own_argv(monkeypatch):
+    """The CLI reads sys.argv when it is given no args: pytest's own arguments are not a user's command line."""
+    monkeypatch.setattr(sys, "argv", ["syncasync-cli"])
+
+
 def _cli(tmp_path: Path, *args: str, timeout: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
 
@@ -198,3 +204,29 @@ def test_ft_options_come_out_of_the_cli_arguments():
                        (["--ft-faults", "kill:1@5", "fit"], "--ft-faults needs --ft")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             split_ft_args(bad)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["--trainer.strategy=HierSyncStrategy", "--trainer.strategy.init_args.inter_period=0"],  # the documented form
+        ["--trainer.strategy=hier_sync", "--trainer.strategy.init_args.inter_period=0"],  # a registered name
+        ["--trainer.strategy", "hier_sync", "--trainer.strategy.inter_period=0"],  # and the short settings form
+    ],
+)
+def test_a_refused_setting_gives_our_message_and_exit_2_in_every_form(strategy):
+    with pytest.raises(CommandFailed) as failed:
+        run_cli("fit", *strategy)
+    assert failed.value.code == 2
+    message = str(failed.value)
+    assert message == "syncasync-cli: error: inter_period must be >= 1, got 0; HINT: 1 averages across nodes every step"
+
+
+def test_a_registered_name_takes_settings_and_keeps_its_own():
+    printed = yaml.safe_load(run_cli("fit", "--trainer.strategy=hier_sync_virtual_spawn",
+                                     "--trainer.strategy.inter_period=3", "--print_config"))  # fmt: skip
+    strategy = printed["trainer"]["strategy"]
+    assert strategy["class_path"].endswith("HierSyncStrategy")
+    # The name's own settings (2 virtual nodes, spawn) and the user's.
+    assert (strategy["init_args"]["virtual_nodes"], strategy["init_args"]["start_method"]) == (2, "spawn")
+    assert strategy["init_args"]["inter_period"] == 3

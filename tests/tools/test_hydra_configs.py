@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import hydra
@@ -70,6 +71,33 @@ def test_every_strategy_config(strategy):
         return
     trainer = _build({**trainer_cfg, "logger": False})
     assert isinstance(trainer, Trainer) and trainer.world_size == 2
+
+
+def test_every_registered_name_is_a_strategy_config_with_the_same_class_and_settings():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_syncasync.strategies import STRATEGIES
+
+    for entry in STRATEGIES:
+        cfg = _compose(f"strategy={entry.name}")
+        assert cfg.trainer.strategy._target_ == entry.class_path, entry.name
+        for key, value in StrategyRegistry[entry.name]["init_params"].items():
+            assert cfg.trainer.strategy.get(key, "popen" if key == "start_method" else None) == value, (entry.name, key)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["strategy=hier_synk"], "strategy=hier_synk is not one of the strategy configs; HINT: did you mean "
+                                 "strategy=hier_sync?"),
+        (["-m", "strategy=ddp,asyc_ssp"], "did you mean strategy=async_ssp?"),
+    ],
+)  # fmt: skip
+def test_a_misspelled_strategy_config_gets_a_suggestion(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_app.check_group_choice(argv)
+    train_app.check_group_choice(["strategy=hier_sync_virtual", "~strategy", "strategy=ddp,async_ssp"])  # all exist
+    train_app.check_group_choice(["hydra.searchpath=[file://mine]", "strategy=my_own"])  # user configs: Hydra's call
 
 
 def test_strategy_arguments_are_set_under_strategy():

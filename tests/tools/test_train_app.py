@@ -42,6 +42,8 @@ def test_default_job_reaches_95_percent_reports_ddp_bytes_and_wait_and_ends_with
     assert "syncasync summary" in proc.stdout
     _ends_with_the_summary(proc, bar=False)
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    # Nothing that says nothing about the run: Lightning's litlogger/litmodels tips, torch's LeafSpec deprecation.
+    assert "Tip:" not in proc.stdout + proc.stderr and "LeafSpec" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow  # the default run checks the summary's place without a bar (the default job above)
