@@ -369,7 +369,10 @@ def _series(segments: list[tuple[int, list[dict[str, Any]]]], val: list[dict[str
             bins[b] = bins.get(b, 0.0) + float(x["samples"]) - prev
     return {
         "participants": [(round(x["t"] - t0, 2), x["participants"]) for x in steps[::every]],
-        "samples_per_s": [((b + 0.5) * window, v / window) for b, v in sorted(bins.items())],
+        # Windows with no step count as 0 (an outage shows as one, not as a line across it).
+        "samples_per_s": [((b + 0.5) * window, bins.get(b, 0.0) / window) for b in range(min(bins), max(bins) + 1)]
+        if bins
+        else [],
         "val": [(round(x["t"] - t0, 2), x["val"][metric]) for x in val],
     }
 

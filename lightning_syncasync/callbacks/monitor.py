@@ -635,7 +635,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         "wait %",
         "intra KB/step",
         "inter KB/step",
-        "staleness mean/max per update",
+        "staleness mean/max",  # per applied update (class docstring)
     ):
         table.add_column(col, justify="right")
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_syncasync.algorithms._comm import broadcast_object
 from lightning_syncasync.algorithms.watchdog import Heartbeat, PeerLostError, check_settings
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,7 @@ class PeerWatchdog(Callback):
         # keys the other never wrote and both declared the other lost after timeout_s (measured: a ddp job under
         # torchrun --nnodes=1:2 whose node 1 was killed and started again). Rank 0 draws the namespace and
         # broadcasts it (one small collective at setup, in the same order on every rank).
-        token = [f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{uuid.uuid4().hex[:12]}"]
-        dist.broadcast_object_list(token, src=0)
+        token = [broadcast_object(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{uuid.uuid4().hex[:12]}", 0)]
         store = self._own_connection() or dist.distributed_c10d._get_default_store()
         self.heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, timeout_s=self.timeout_s, interval_s=self.interval_s,

@@ -539,12 +539,10 @@ class AsyncSSPStrategy(
         rank, so the ranks' step counts differ and none of them reads ``max_steps``."""
         if not (self._claiming and self.planned_steps):
             return []
-        trained = self._claim_sampler.position if self._claim_sampler is not None else None
-        done = "" if trained is None else f"; {trained} were trained (the budget ends at an epoch end)"
         return [
             f"max_steps={self.planned_steps} is a budget over all ranks here: {self.planned_steps * self.world_size} "
             f"batches ({self.planned_steps} x {self.world_size} ranks) claimed from a shared queue, so a faster rank "
-            f"takes more steps (the steps column; each rank's global_step is its own){done}"
+            f"takes more steps (the steps column; each rank's global_step is its own; the budget ends at an epoch end)"
         ]
 
     def teardown(self) -> None:
