@@ -118,7 +118,3 @@ def test_torchft_diloco_anchor_runs_on_the_same_launch_and_survives_a_kill(tmp_p
     # Each node validates its own weights. How well DiLoCo's outer Nesterov (lr 0.7) learns this small job is not
     # what is tested here: its val_acc ranged 0.22-0.96 over four runs.
     assert "val_acc" in _results(tmp_path, 0)["metrics"]
-    # The restarted node healed the live node's model and loop (registered with torchft's Manager beside DiLoCo's
-    # own state): it went on from the live node's step, not from step 0.
-    trained = [_results(tmp_path, n)["sync_summary"]["ranks"][0]["steps"] for n in (0, 1)]
-    assert trained[1] < trained[0], trained
