@@ -30,7 +30,7 @@ import lightning_syncasync.callbacks  # noqa: F401  (makes SyncMonitor resolvabl
 import lightning_syncasync.demo  # noqa: F401  (makes the demo classes resolvable by their short names)
 from lightning_syncasync._progress_bar import resolve_enable_progress_bar
 from lightning_syncasync._quiet import quiet_third_party_noise
-from lightning_syncasync.strategies import check_strategy_name
+from lightning_syncasync.strategies import check_strategy_name, is_fault_tolerant
 
 quiet_third_party_noise()
 
@@ -68,7 +68,7 @@ class SyncAsyncCLI(LightningCLI):
         # model and data are built; here it gets "did you mean ...?" and this package's names, as a parser error.
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy")
-        if os.environ.get("SYNCASYNC_FT_NODE") and not _is_fault_tolerant(strategy):
+        if os.environ.get("SYNCASYNC_FT_NODE") and not is_fault_tolerant(strategy):
             parser = self._subcommand_parsers.get(self.subcommand, self.parser) if self.subcommand else self.parser
             parser.error(
                 f"--ft runs one job per node joined through a Lighthouse, which only the fault-tolerant strategies "
@@ -188,15 +188,6 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> SyncAsyncCLI:
         if run
         else {"default_config_files": default_files},
     )
-
-
-def _is_fault_tolerant(strategy: Any) -> bool:
-    if isinstance(strategy, str):
-        return strategy.endswith("_ft") or strategy.endswith("FaultTolerantStrategy")
-    class_path = getattr(strategy, "class_path", None) or (
-        strategy.get("class_path") if isinstance(strategy, dict) else None
-    )
-    return type(strategy).__name__ == "FaultTolerantStrategy" or str(class_path).endswith("FaultTolerantStrategy")
 
 
 def split_ft_args(argv: list[str]) -> tuple[int, str, list[str]]:

@@ -80,9 +80,11 @@ def _check_ft(cfg: DictConfig) -> None:
     nodes = cfg.ft
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 0:
         raise ValueError(f"ft={nodes!r} is not a number of nodes; HINT: ft=2 runs 2 emulated nodes, ft=0 one job")
+    from lightning_syncasync.strategies import is_fault_tolerant
+
     strategy = cfg.get("strategy")
     target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(cfg.trainer.get("strategy"))
-    if not str(target).endswith("FaultTolerantStrategy") and not str(target).endswith("_ft"):
+    if not is_fault_tolerant(target):
         raise ValueError(
             f"ft={nodes} runs one job per node joined through a Lighthouse, which only the fault-tolerant strategies "
             f"do; the strategy is {target!r}. HINT: add strategy=hier_sync_ft (or strategy=async_ssp_ft)"

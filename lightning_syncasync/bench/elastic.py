@@ -62,16 +62,14 @@ TIMELINE_FILE = "timeline.node{node}.jsonl"
 PLOT_POINTS = 300  # per series kept in results.json for the plots
 
 
-def is_fault_tolerant(overrides: list[str] | tuple[str, ...]) -> bool:
+def runs_fault_tolerant(overrides: list[str] | tuple[str, ...]) -> bool:
     """Whether the composed run's strategy is a fault-tolerant one (one job per node, through a Lighthouse)."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import OmegaConf
 
     from lightning_syncasync.advise.probe import compose_config
+    from lightning_syncasync.strategies import is_fault_tolerant
 
-    strategy = OmegaConf.select(compose_config(list(overrides)), "trainer.strategy")
-    if isinstance(strategy, DictConfig):
-        return str(strategy.get("_target_", "")).endswith("FaultTolerantStrategy")
-    return isinstance(strategy, str) and strategy.endswith(("_ft", "_ft_spawn"))
+    return is_fault_tolerant(OmegaConf.select(compose_config(list(overrides)), "trainer.strategy"))
 
 
 def budget_time_s(scenario: Scenario, steps: int, ideal_samples_per_s: float) -> float:
@@ -100,7 +98,7 @@ def run_elastic(
     budget_s = budget_time_s(scenario, steps, ideal["samples_per_s"])
     faults = fault_schedule(scenario, budget_s)
     base = runner._contender_overrides(scenario, contender, rep)
-    ft = is_fault_tolerant(base)
+    ft = runs_fault_tolerant(base)
     ppn = scenario.procs_per_node
     if ft:
         overrides = [*base, "trainer.num_nodes=1", f"trainer.devices={ppn}", f"hydra.run.dir={run_dir}/node{{node}}"]
@@ -265,7 +263,8 @@ def analyse(
     t_end = max(line["t"] for line in all_lines)
     # Samples trained and kept, per process run.
     trained = useful = 0.0
-    commits: list[tuple[float, int, int]] = []  # (time, node, participants) of committed updates
+    measurable = True  # False when an exchange reports no commits: what it kept is unknown
+    commits: list[tuple[float, int, int, float]] = []  # (time, node, participants, its run's start) per update
     for i, (node, seg) in enumerate(segments):
         st = [x for x in seg if "samples" in x]
         if not st:
@@ -274,7 +273,7 @@ def analyse(
         trained += total
         if not restarted and "committed_steps" not in st[-1]:
             # A fault-tolerant node whose exchange reports no commits (torchft's DiLoCo): what it kept is unknown.
-            useful = float("nan")
+            measurable = False
             continue
         if "committed_steps" in st[-1]:
             per_step = total / len(st)
@@ -303,7 +302,7 @@ def analyse(
             present += node_rates[r["node"]] * (b - a)
     val = [x for x in all_lines if "val" in x and metric in x["val"]]
     hit = next((x for x in val if reached(x["val"][metric])), None)
-    known = useful == useful  # NaN: not measurable for this exchange
+    known = measurable
     out: dict[str, Any] = {
         "samples_trained": trained,
         "samples_useful": useful if known else None,

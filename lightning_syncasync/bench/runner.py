@@ -207,13 +207,13 @@ class BenchRunner:
     def check(self, scenario: Scenario, contenders: list[Contender]) -> None:
         """Refuse, before anything runs, contenders that cannot run inside the emulator (:func:`check_launcher`),
         and fault-tolerant contenders outside the node-fault scenarios (they run one job per node)."""
-        from lightning_syncasync.bench.elastic import is_fault_tolerant
+        from lightning_syncasync.bench.elastic import runs_fault_tolerant
 
         for contender in contenders:
             overrides = self._contender_overrides(scenario, contender, rep=0)
             if tuple(overrides) not in self._checked:
                 check_launcher(contender, overrides)
-                if not scenario.elastic and is_fault_tolerant(overrides):
+                if not scenario.elastic and runs_fault_tolerant(overrides):
                     elastic = sorted(s.name for s in SCENARIOS.values() if s.elastic)
                     raise ValueError(
                         f"contender {contender.name!r} is a fault-tolerant strategy (one job per node through a "

@@ -8,6 +8,7 @@ from lightning_syncasync.strategies._registry import (
     STRATEGIES,
     StrategyEntry,
     check_strategy_name,
+    is_fault_tolerant,
     pack_strategy_names,
     register_strategies,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "ShardedHierSyncStrategy",
     "StrategyEntry",
     "check_strategy_name",
+    "is_fault_tolerant",
     "pack_strategy_names",
     "register_strategies",
 ]

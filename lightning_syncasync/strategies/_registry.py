@@ -139,6 +139,21 @@ def pack_strategy_names() -> list[str]:
     return [entry.name for entry in STRATEGIES]
 
 
+def is_fault_tolerant(strategy: Any) -> bool:
+    """Whether ``strategy`` is ``FaultTolerantStrategy`` (one job per node, joined through a torchft Lighthouse):
+    a registered name (``hier_sync_ft``, ``async_ssp_ft_spawn``), a class path, a config with ``_target_`` (Hydra) or
+    ``class_path`` (the Lightning CLI), or a strategy object. The one test every front end asks (``ft=N``,
+    ``--ft N``, the benchmark's launch)."""
+    if isinstance(strategy, str):
+        return strategy.endswith(("_ft", "_ft_spawn", "FaultTolerantStrategy"))
+    if type(strategy).__name__ == "FaultTolerantStrategy":
+        return True
+    path = getattr(strategy, "class_path", None)
+    if path is None and callable(getattr(strategy, "get", None)):
+        path = strategy.get("class_path") or strategy.get("_target_")
+    return str(path or "").endswith("FaultTolerantStrategy")
+
+
 def check_strategy_name(name: str, setting: str = "strategy", registry: Any = StrategyRegistry) -> str:
     """Return ``name`` if ``Trainer(strategy=name)`` will find it; otherwise raise a ``ValueError`` that names the
     setting, suggests the closest registered names ("did you mean hier_sync?") and lists this package's names.

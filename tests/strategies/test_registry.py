@@ -107,3 +107,15 @@ def test_the_check_registers_the_names_a_forgotten_import_left_out():
     finally:
         for name, value in saved.items():
             StrategyRegistry[name] = value
+
+
+def test_one_fault_tolerance_test_for_every_front_end():
+    from types import SimpleNamespace
+
+    from lightning_syncasync.strategies import is_fault_tolerant
+
+    path = "lightning_syncasync.strategies.fault_tolerant.FaultTolerantStrategy"
+    for yes in ("hier_sync_ft", "async_ssp_ft_spawn", path, {"_target_": path}, SimpleNamespace(class_path=path)):
+        assert is_fault_tolerant(yes), yes
+    for no in ("hier_sync", "ddp", {"_target_": "lightning_syncasync.strategies.hier_sync.HierSyncStrategy"}, None):
+        assert not is_fault_tolerant(no), no
