@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, Sampler
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import destroy_groups
+from lightning_syncasync.algorithms._comm import broadcast_object, destroy_groups
 from lightning_syncasync.algorithms.averaging.elastic import (
     LIGHTHOUSE_ENV,
     ElasticRounds,
@@ -189,6 +189,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             )
         self.exchange = exchange
         self._diloco: Any = None
+        self._diloco_healed: dict[str, Any] | None = None  # a live node's counters, taken by a DiLoCo heal
         self.peer_timeout_s = peer_timeout_s
         self.sync_stats = StatsRecorder(mode="hier")
         self.rounds: ElasticRounds | None = None
@@ -342,12 +343,41 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             self.manager, [module], inner, outer, sync_every=self.local_steps, pin_memory=False,
         )  # fmt: skip
         self._diloco.__enter__()
-        # Known gap (measured in the preemption scenario): DiLoCo registers only its own state (backup weights, outer
-        # optimizer) with the Manager, so a restarted node keeps its fresh weights and step 0 and its first sync
-        # ruins the live node. Registering the model and the loop as torchft's train_diloco.py does deadlocked a
-        # 2-rank node: each local rank heals on its own, from different peers at different steps (what
-        # ElasticRounds.join handles by taking local rank 0's state). Not fixed yet.
+        # A node that joins (or restarts) heals inside DiLoCo's sync. DiLoCo loads the live node's backup weights and
+        # outer optimizer, but its sync had already put this node's own stale backup into the model before the
+        # heal, so the outer step would land on the wrong weights. Registered after DiLoCo's fragments (torchft loads
+        # them in that order), this load puts the healed backup into the model first: the outer step then gives the
+        # live node's model bitwise. The inner optimizer and the loop's counters follow in optimizer_step, as local
+        # rank 0 took them (each local rank heals from its own peer; the node's ranks must agree).
+        self.manager.register_state_dict_fn("syncasync_diloco", self._diloco_load, self._save_extra)
         rank_zero_info(f"{self.strategy_name}: node {self.replica_group} runs torchft's DiLoCo (the anchor)")
+
+    def _diloco_load(self, state: dict[str, Any]) -> None:
+        """torchft's call inside DiLoCo's ``should_commit`` when this node heals (after the fragments' loads)."""
+        import torch
+
+        with torch.no_grad():
+            for fragment in self._diloco._fragments:
+                for name, p in fragment._model_fragment.named_parameters():
+                    p.data.copy_(fragment.original_parameters[name])
+        self._diloco_healed = state
+
+    def _diloco_after_step(self) -> None:
+        """After a DiLoCo sync that healed this node: the inner optimizer, schedulers and counters of local rank
+        0's peer on every rank of the node. Every rank of a replica group heals in the same quorum (torchft decides
+        per group), so all of them reach the broadcast."""
+        if self._diloco_healed is None:
+            return
+        state, self._diloco_healed = self._diloco_healed, None
+        if self.world_size > 1 and self._group is not None:
+            state = broadcast_object(state, dist.get_global_rank(self._group, 0), self._group)
+        self._load_extra(state)
+        # The node is mid-epoch (it healed at its first sync, not before its first batch): its shard's order for
+        # this epoch is already running, so nothing is skipped.
+        self._skip_batches = 0
+        rank_zero_info(
+            f"{self.strategy_name}: node {self.replica_group} healed from a live node at step {state['global_step']}"
+        )
 
     # -- the training step ---------------------------------------------------------------------------------------
 
@@ -355,7 +385,10 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         rounds = self.rounds
         if rounds is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._diloco is not None:
+                self._diloco_after_step()
+            return out
         rounds.before_step()
         try:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
