@@ -364,13 +364,25 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
 
     def _diloco_after_step(self) -> None:
         """After a DiLoCo sync that healed this node: the inner optimizer, schedulers and counters of local rank
-        0's peer on every rank of the node. Every rank of a replica group heals in the same quorum (torchft decides
-        per group), so all of them reach the broadcast."""
-        if self._diloco_healed is None:
+        0 on every rank of the node. torchft decides the heal per local rank: a joiner's ranks all heal, but at step
+        0 (every node new, init_sync) each local rank takes its state from a different node, so some ranks of a node
+        heal and the others are the source. As in ElasticRounds, the node agrees first (one flag, at syncs only), and
+        a source rank's own state stands for the healed one."""
+        if self._diloco._local_step != 0:  # not a sync step: no heal can have happened
             return
         state, self._diloco_healed = self._diloco_healed, None
         if self.world_size > 1 and self._group is not None:
-            state = broadcast_object(state, dist.get_global_rank(self._group, 0), self._group)
+            import torch
+
+            flag = torch.tensor([0 if state is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            if not int(flag.item()):
+                return
+            state = broadcast_object(
+                state if state is not None else self._save_extra(), dist.get_global_rank(self._group, 0), self._group
+            )
+        if state is None:
+            return
         self._load_extra(state)
         # The node is mid-epoch (it healed at its first sync, not before its first batch): its shard's order for
         # this epoch is already running, so nothing is skipped.
