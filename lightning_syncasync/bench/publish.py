@@ -71,22 +71,24 @@ def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, An
     """Per scenario with a ``ddp`` row: the contender that reached the target soonest (median over the repeats that
     reached it, among contenders that reached it in most repeats; how many did is shown beside it), its speed-up
     over ``ddp``, its fraction of the no-communication limit and its final metric against ``ddp``'s. A later
-    file's records of a (scenario, strategy) replace an earlier's; ``--quick`` records are left out."""
+    file's ``ddp`` rows of a scenario replace an earlier's, and only the contenders of that file compete: a ratio is
+    of runs side by side in one invocation. ``--quick`` records are left out."""
     # --quick runs (a few steps, an easier target) check throughput; they rank nothing here.
     results = {name: [r for r in records if not r.get("quick")] for name, records in results.items()}
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    # Each scenario ranks the contenders of the latest file holding its ddp rows, so that every ratio is of runs
+    # side by side in one invocation (a contender re-run alone into a later file does not rank against them).
+    ddp_file: dict[str, str] = {}
     for name, records in results.items():
         for rec in records:
-            merged[(rec["scenario"], rec["strategy"])] = {**rec, "_file": name}
-    per_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for name, records in results.items():
-        for rec in records:
-            if merged[(rec["scenario"], rec["strategy"])]["_file"] == name:
-                per_key.setdefault((rec["scenario"], rec["strategy"]), []).append(rec)
+            if rec["strategy"] == "ddp":
+                ddp_file[rec["scenario"]] = name
+    order = list(dict.fromkeys(r["scenario"] for records in results.values() for r in records))
     rows = []
-    for scenario, by_strategy in summarise([r for recs in per_key.values() for r in recs]).items():
-        ddp = by_strategy.get("ddp")
-        if ddp is None or ddp["time_to_target_s"] is None:
+    for scenario in sorted(ddp_file, key=order.index):
+        name = ddp_file[scenario]
+        by_strategy = summarise([r for r in results[name] if r["scenario"] == scenario])[scenario]
+        ddp = by_strategy["ddp"]
+        if ddp["time_to_target_s"] is None:
             continue
         reached = {
             k: s
@@ -109,7 +111,7 @@ def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, An
                 "repeats": len(best["runs"]),
                 "reached": best["reached"],
                 "metric": best["runs"][0].get("val_metric_name", "val metric"),
-                "file": merged[(scenario, best_name)]["_file"],
+                "file": name,
             }
         )
     return rows

@@ -370,6 +370,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         a source rank's own state stands for the healed one."""
         if self._diloco._local_step != 0:  # not a sync step: no heal can have happened
             return
+        self.sync_stats.record_participants(self.manager.num_participants())  # SyncMonitor's timeline shows it
         state, self._diloco_healed = self._diloco_healed, None
         if self.world_size > 1 and self._group is not None:
             import torch

@@ -59,11 +59,18 @@ def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_pat
     text = doc.read_text()
     assert text.startswith("intro\n") and "| hier_sync | 80.0 " in text and "1.33x sooner" in text
     assert bench_main(["report", "--from", str(results), "--to", str(doc), "--check"]) == 0
-    # hier_sync re-run into a later results folder: the headline follows it.
+    # hier_sync re-run alone into a later results folder: its rows follow, but it no longer ranks against a ddp
+    # measured in another invocation (a ratio is of runs side by side).
     (results / "b").mkdir()
     (results / "b" / "results.json").write_text(json.dumps([_rec("hier_sync", 0, 35.0, 0.97, 0.5)]))
     assert bench_main(["report", "--from", str(results), "--to", str(doc)]) == 0
-    assert "1.14x sooner" in doc.read_text() and "| hier_sync | 50.0 " not in doc.read_text()
+    assert "`hier_sync` | 1.14x sooner" not in doc.read_text() and "| hier_sync | 50.0 " not in doc.read_text()
+    # Re-run beside ddp, it ranks again.
+    (results / "b" / "results.json").write_text(
+        json.dumps([_rec("ddp", 0, 42.0, 0.97, 0.6), _rec("hier_sync", 0, 35.0, 0.97, 0.5)])
+    )
+    assert bench_main(["report", "--from", str(results), "--to", str(doc)]) == 0
+    assert "`hier_sync` | 1.20x sooner" in doc.read_text()
 
 
 def test_a_marker_naming_a_missing_results_file_is_refused(tmp_path):
