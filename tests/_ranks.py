@@ -107,7 +107,10 @@ class RankJob:
         try:
             while any(p.poll() is None for p in procs) and time.monotonic() < self.deadline:
                 if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(5.0)  # let the other ranks fail too, then report them all
+                    # Let the other ranks fail too (up to 5 s), then report them all.
+                    grace = time.monotonic() + 5.0
+                    while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                        time.sleep(0.1)
                     break
                 time.sleep(0.2)
         finally:

@@ -40,16 +40,43 @@ def _pytest_gpu_tests(tmp_path: Path, selection: list[str]) -> dict[str, Any]:
     return pytest_gpu_tests(tmp_path / "junit.xml", selection, env)
 
 
-@pytest.mark.timeout(400)
-def test_every_gpu_test_that_needs_no_cuda_passes_on_the_emulated_accelerator(tmp_path):
-    # The whole of tests/gpu: every strategy's state on the device, two ranks sharing it against the CPU, the resumed
-    # runs, the codecs, SyncMonitor's waits. Its ranks are forked from a preloaded server (tests/_forked.py), which
-    # brought it from about 7 minutes to 1 on 2 cores, inside the default suite's budget.
-    counts = _pytest_gpu_tests(tmp_path, ["tests/gpu"])
+def _no_unexpected_skip(counts: dict[str, Any]) -> None:
     skipped = [c for c in counts["cases"] if c["outcome"] == "skipped"]
     unexpected = [c for c in skipped if not any(reason in (c["message"] or "") for reason in CUDA_ONLY)]
     assert not unexpected, unexpected
-    assert counts["passed"] >= 41, counts  # 43 on 2026-12-03: a test that stops running fails this
+
+
+# The default suite's share of tests/gpu (about 25 s of its 90 s on 2 cores, issue 47's 15-minute budget): every
+# strategy on one device with its state there, two nodes of two ranks against the CPU, every kind of state on the
+# device, the switcher and the NaN checks without a host sync per step. What it leaves to the slow run below: the
+# codec grid of two ranks against the CPU, the sharded strategies, the resumed runs and per-step SSP's NaN stop.
+DEFAULT_SHARE = [
+    "tests/gpu/test_one_gpu.py",
+    "tests/gpu/test_cuda_timing.py",
+    "tests/gpu/test_nodes_gpu.py",
+    "tests/gpu/test_deepspeed_presets.py",
+    "tests/gpu/test_shared_gpu.py::test_every_kind_of_state_lives_on_the_gpu",
+    "tests/gpu/test_shared_gpu.py::test_auto_sync_with_its_switcher_makes_no_host_sync_per_step",
+    "tests/gpu/test_shared_gpu.py::test_a_nan_loss_in_auto_sync_async_on_the_gpu_is_held_back",
+]
+
+
+@pytest.mark.timeout(300)
+def test_the_default_share_of_the_gpu_tests_passes_on_the_emulated_accelerator(tmp_path):
+    # Its ranks are forked from a preloaded server (tests/_forked.py).
+    counts = _pytest_gpu_tests(tmp_path, DEFAULT_SHARE)
+    _no_unexpected_skip(counts)
+    assert counts["passed"] >= 22, counts  # 23 on 2026-12-04: a test that stops running fails this
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_gpu_test_that_needs_no_cuda_passes_on_the_emulated_accelerator(tmp_path):
+    # The whole of tests/gpu: every strategy's state on the device, two ranks sharing it against the CPU, the resumed
+    # runs, the codecs, SyncMonitor's waits (90 s on 2 cores).
+    counts = _pytest_gpu_tests(tmp_path, ["tests/gpu"])
+    _no_unexpected_skip(counts)
+    assert counts["passed"] >= 43, counts  # 45 on 2026-12-04: a test that stops running fails this
 
 
 # -- the emulator -------------------------------------------------------------------------------------------------
