@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, Sampler
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_object, destroy_groups
+from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_object, destroy_groups
 from lightning_syncasync.algorithms.averaging.elastic import (
     LIGHTHOUSE_ENV,
     ElasticRounds,
@@ -375,8 +375,8 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         if self.world_size > 1 and self._group is not None:
             import torch
 
-            flag = torch.tensor([0 if state is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            flag = torch.tensor([0 if state is None else 1], dtype=torch.int32, device="cpu")  # a host-side flag
+            all_reduce_(flag, self._group, dist.ReduceOp.MAX)
             if not int(flag.item()):
                 return
             state = broadcast_object(
