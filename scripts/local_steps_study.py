@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from delayed_gradients import _accuracy, _batches, _lm_loss  # noqa: E402
 
+from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_  # noqa: E402
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer  # noqa: E402
 
 EVAL_EVERY = 5  # global steps between two evaluations (the LM benchmark's val_check_interval)
@@ -163,13 +164,6 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).float() for t in tensors])
 
 
-def _unflat_(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    i = 0
-    for t in tensors:
-        t.copy_(flat[i : i + t.numel()].view_as(t))
-        i += t.numel()
-
-
 def _state(model: Any) -> list[torch.Tensor]:
     """What a round averages: parameters and floating-point buffers (as the strategies do)."""
     return [p.data for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
@@ -231,7 +225,7 @@ def run(workload: Workload, variant: Variant | None, seed: int, optimizer: str =
         anchor = anchor - step
         for state, base, delta in zip(states, bases, deltas, strict=True):
             c = delta - step  # this replica's share of the round out, the global step in
-            _unflat_(state, _flat(state) + c)
+            add_flat_(state, c)
             base.add_(c)
         if v.moments != "keep":
             _moments(optims, v.moments)
@@ -259,7 +253,7 @@ def run(workload: Workload, variant: Variant | None, seed: int, optimizer: str =
                     base.copy_(anchor)
                 if tick == warmup and len(states) > 1:  # buffers (BatchNorm) may differ: one model from here
                     for state in states[1:]:
-                        _unflat_(state, anchor)
+                        copy_flat_(state, anchor)
             else:
                 since += 1
                 length = H if ramp == 0 else max(1, min(H, round(1 + (H - 1) * (tick - warmup) / ramp)))
@@ -272,10 +266,10 @@ def run(workload: Workload, variant: Variant | None, seed: int, optimizer: str =
                         base.copy_(flat)
                     flight.append((tick + (delay_ticks if length == H else min(delay_ticks, length)), deltas))
                 while flight and flight[0][0] <= tick:
-                    due, deltas = flight.pop(0)
+                    _, deltas = flight.pop(0)
                     apply(deltas, lag=1 if delay_ticks >= H else 0)
             if tick % EVAL_EVERY == 0:
-                _unflat_(_state(evaluator), torch.stack([_flat(s) for s in states]).mean(0))
+                copy_flat_(_state(evaluator), torch.stack([_flat(s) for s in states]).mean(0))
                 out.curve.append((tick, _accuracy(evaluator, val, workload.val_batches)))
     out.wall_s = time.perf_counter() - start
     return out
@@ -363,7 +357,7 @@ def table(path: str) -> str:
         lines += [
             f"**{key}** ({s['workers']} replicas of batch {s['batch']}, {s['local_steps']} local steps per round, "
             f"{s['steps']} global steps, target {s['target']}, {s['optimizer']}; {n} seeds; DDP reached it in "
-            f"{_med(ddp_steps, s['steps'])} steps)",
+            f"{_med(ddp_steps)} steps)",
             "",
             "| variant | steps to target / DDP's | seeds reaching it | final metric - DDP's (points) |",
             "|---|---|---|---|",
@@ -382,7 +376,7 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
-def _med(values: list[int | None], budget: int) -> str:
+def _med(values: list[int | None]) -> str:
     got = [v for v in values if v is not None]
     if not got:
         return "none"

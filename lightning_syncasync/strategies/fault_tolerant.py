@@ -40,6 +40,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -332,7 +333,6 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
     def _start_diloco(self) -> None:
         """torchft's DiLoCo as it is: its hooks on the inner optimizer run the quorum and the outer step every
         ``local_steps`` steps, and it registers its own heal state (the backup weights, the outer optimizer)."""
-        import torch
         from torchft.local_sgd import DiLoCo
 
         module = self.lightning_module
@@ -354,8 +354,6 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
 
     def _diloco_load(self, state: dict[str, Any]) -> None:
         """torchft's call inside DiLoCo's ``should_commit`` when this node heals (after the fragments' loads)."""
-        import torch
-
         with torch.no_grad():
             for fragment in self._diloco._fragments:
                 for name, p in fragment._model_fragment.named_parameters():
@@ -373,8 +371,6 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         self.sync_stats.record_participants(self.manager.num_participants())  # SyncMonitor's timeline shows it
         state, self._diloco_healed = self._diloco_healed, None
         if self.world_size > 1 and self._group is not None:
-            import torch
-
             flag = torch.tensor([0 if state is None else 1], dtype=torch.int32, device="cpu")  # a host-side flag
             all_reduce_(flag, self._group, dist.ReduceOp.MAX)
             if not int(flag.item()):
