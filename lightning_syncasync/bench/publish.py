@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_syncasync.bench.report import elastic_answers, elastic_table, scenario_table, summarise
+from lightning_syncasync.bench.report import elastic_answers, elastic_table, learning_table, scenario_table, summarise
 from lightning_syncasync.bench.scenarios import lookup
 
 _BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
@@ -60,6 +60,9 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
             lines += [f"`{scenario}`:", ""]
         lines += scenario_table(by_strategy) + [""]
         found = lookup(scenario)
+        learning = learning_table(by_strategy) if found is None or not found.elastic else []
+        if learning:
+            lines += ["Learning per sample against `ddp`, seed by seed:", "", *learning, ""]
         if found is not None and found.elastic:
             lines += elastic_table(by_strategy) + [""] + elastic_answers(scenario, table)
     cmds = _commands(records)

@@ -102,6 +102,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             lines += [f"Emulation: CPU {emu.get('cpu_mode')} shares {emu.get('cores_per_rank')}, "
                       f"netns={emu.get('netns')}.", ""]  # fmt: skip
         lines += scenario_table(by_strategy)
+        learning = learning_table(by_strategy) if sc is None or not sc.elastic else []
+        if learning:
+            lines += ["", "Learning per sample against `ddp`, seed by seed:", "", *learning]
         if sc is not None and sc.elastic:
             lines += ["", *elastic_table(by_strategy), "", f"![{name} against time](elastic_{name}.png)"]
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)
@@ -140,6 +143,83 @@ def scenario_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
             f"| {s['reached']}/{len(s['runs'])}{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} |"
         )
     return lines
+
+
+def samples_to_target(run: dict[str, Any]) -> float | None:
+    """Samples trained over all ranks when the run's validation first reached its target (``None``: never).
+
+    Where validation runs at epoch ends every contender has trained the same whole epochs by then, whatever its
+    ranks' own step counts (``async_ssp`` claims batches: a fast rank takes more steps than a slow one), so the
+    samples are that share of the budget. Where it runs every so many steps, the ranks step together (DDP,
+    ``hier_sync``): the step times the global batch.
+    """
+    history, target = run.get("val_history") or [], run.get("target")
+    cfg = run.get("config") or {}
+    trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
+    batch, steps = data.get("batch_size"), run.get("steps")
+    world = (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1)
+    if target is None or not history or not batch or not world or not isinstance(steps, int):
+        return None
+    sc = lookup(run["scenario"])
+    better = (lambda v: v <= target) if sc is not None and sc.mode == "min" else (lambda v: v >= target)
+    hit = next((i for i, h in enumerate(history) if h.get("value") is not None and better(h["value"])), None)
+    if hit is None:
+        return None
+    if trainer.get("val_check_interval") is None:  # at epoch ends: the share of the budget's epochs
+        return (hit + 1) / len(history) * steps * world * batch
+    return float(history[hit]["step"] * world * batch)
+
+
+def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
+    """Learning per sample against ``ddp`` of the same invocation, seed by seed (issue 49's targets): samples to
+    the target over DDP's, median [min-max] (a seed that never reaches counts as the whole budget, and is
+    counted apart), the final metric's difference, and how much of the throughput gain reached time to target
+    (time-to-target speed-up over the throughput ratio, both against DDP's seed: 1.0 loses nothing to learning)."""
+    ddp = by_strategy.get("ddp")
+    if not ddp:
+        return []
+    base = {r.get("train_seed"): r for r in ddp["runs"] if "error" not in r}
+    lines: list[str] = []
+    for strategy, s in by_strategy.items():
+        if strategy == "ddp":
+            continue
+        ratios, finals, kept, reached, n = [], [], [], 0, 0
+        for run in s["runs"]:
+            ref = base.get(run.get("train_seed"))
+            if ref is None or "error" in run or ref.get("command") != run.get("command"):
+                continue
+            n += 1
+            mine, theirs = samples_to_target(run), samples_to_target(ref)
+            if mine is not None:
+                reached += 1
+            if theirs:
+                ratios.append((mine if mine is not None else _budget_samples(run)) / theirs)
+            if run.get("final_val_metric") is not None and ref.get("final_val_metric") is not None:
+                finals.append(100 * (run["final_val_metric"] - ref["final_val_metric"]))
+            t_me, t_ref = run.get("time_to_target_s"), ref.get("time_to_target_s")
+            sps_me, sps_ref = run.get("samples_per_s"), ref.get("samples_per_s")
+            if t_me and t_ref and sps_me and sps_ref:
+                kept.append((t_ref / t_me) / (sps_me / sps_ref))
+        if not n:
+            continue
+        if not lines:
+            lines = [
+                "| strategy | samples to target / DDP's | reached | final - DDP's (points) | time-to-target speed-up / "
+                "throughput ratio |",
+                "|---|---|---|---|---|",
+            ]
+        lines.append(
+            f"| {strategy} | {_fmt(median_or_none(ratios), '.2f')}x{_spread(ratios, '.2f')} | {reached}/{n} "
+            f"| {_fmt(median_or_none(finals), '+.1f')}{_spread(finals, '+.1f')} "
+            f"| {_fmt(median_or_none(kept), '.2f')}{_spread(kept, '.2f')} ({len(kept)} seeds) |"
+        )
+    return lines
+
+
+def _budget_samples(run: dict[str, Any]) -> float:
+    cfg = run.get("config") or {}
+    trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
+    return float(run["steps"] * (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1) * data["batch_size"])
 
 
 ELASTIC_KEYS = (

@@ -82,3 +82,38 @@ def test_flat_rows_render_as_a_table(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps([{"method": "int8", "ratio": 0.25412}, {"method": "sign"}]))
     out = render("<!-- bench:rows rows.json -->\n<!-- bench:end -->", {}, tmp_path, tmp_path)
     assert "| method | ratio |" in out and "| int8 | 0.2541 |" in out and "| sign | n/a |" in out
+
+
+def _learning_rec(strategy: str, seed: int, hits: list[float], final: float, tt: float | None, sps: float):
+    """A long-scenario record (validation at epoch ends, 4 epochs of 100 steps x 4 ranks x batch 10)."""
+    return {
+        "scenario": "straggler_long", "strategy": strategy, "repeat": seed, "train_seed": seed, "command": "cmd",
+        "target": 0.97, "steps": 400, "final_val_metric": final, "time_to_target_s": tt, "samples_per_s": sps,
+        "val_history": [{"step": 100 * (i + 1), "value": v} for i, v in enumerate(hits)],
+        "config": {"trainer": {"devices": 4, "num_nodes": 1, "val_check_interval": None},
+                   "data": {"batch_size": 10}},
+    }  # fmt: skip
+
+
+def test_learning_per_sample_is_matched_seed_by_seed_against_ddp():
+    from lightning_syncasync.bench.report import learning_table, samples_to_target, summarise
+
+    ddp0 = _learning_rec("ddp", 0, [0.9, 0.97, 0.97, 0.98], 0.98, 10.0, 100.0)  # target at epoch 2 of 4
+    assert samples_to_target(ddp0) == 2 / 4 * 400 * 4 * 10
+    records = [
+        ddp0,
+        _learning_rec("ddp", 1, [0.97, 0.97, 0.97, 0.97], 0.97, 5.0, 100.0),  # epoch 1
+        _learning_rec("async_ssp", 0, [0.9, 0.9, 0.97, 0.97], 0.975, 10.0, 200.0),  # epoch 3: 1.5x the samples
+        _learning_rec("async_ssp", 1, [0.9, 0.9, 0.9, 0.96], 0.96, None, 200.0),  # never: the budget, 4x
+    ]
+    lines = learning_table(summarise(records)["straggler_long"])
+    row = next(line for line in lines if line.startswith("| async_ssp"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # median of 1.5 and 4.0; 1 seed of 2 reached; final -0.5 and -1.0 points; speed-up 1.0 over throughput 2.0
+    assert cells[1:] == ["2.75x [1.50-4.00]", "1/2", "-0.8 [-1.0--0.5]", "0.50 (1 seeds)"]
+    # A step-based validation counts the step's global batch; a run of another invocation is not matched.
+    lm = {**ddp0, "config": {"trainer": {"devices": 2, "num_nodes": 2, "val_check_interval": 5},
+                             "data": {"batch_size": 16}}}  # fmt: skip
+    assert samples_to_target(lm) == 200 * 4 * 16
+    other = {**records[2], "command": "another"}
+    assert learning_table(summarise([ddp0, other])["straggler_long"]) == []
