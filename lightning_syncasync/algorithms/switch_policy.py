@@ -21,7 +21,8 @@ Signals, each computed from every rank's window of steps (so every rank computes
   pauses make every rank's own step times vary while their means stay equal; a synchronous step waits for the
   worst rank of each step, an SSP step absorbs up to ``staleness`` steps of it -> ``async``.
 * divergence: a non-finite loss on any rank, or a window loss above ``spike_factor`` times the best of the recent
-  healthy windows -> back to ``sync``, restore the last good state, and keep the mode that diverged off for
+  healthy windows (a rise of ``spike_factor - 1`` times its size, so a negative loss works too) -> back to
+  ``sync``, restore the last good state, and keep the mode that diverged off for
   ``cooldown_windows`` windows.
 
 Torch-free: the callback gathers the numbers; this module only decides.
@@ -199,12 +200,16 @@ class SwitchPolicy:
         self.windows_in_mode += 1
         self.banned = {m: n - 1 for m, n in self.banned.items() if n > 1}
         best = min(self.recent_losses) if self.recent_losses else None
-        spiked = best is not None and window.loss == window.loss and window.loss > self.spike_factor * best
+        # A rise of (spike_factor - 1) times the best's size above it: spike_factor x best for a positive loss, and
+        # still a rise for a negative one (a log-likelihood), where `loss > spike_factor * best` held for every
+        # loss that kept falling below zero (-31 > 2 x -18.5), rolled back every window and lost the updates.
+        limit = None if best is None else best + (self.spike_factor - 1) * abs(best)
+        spiked = limit is not None and window.loss == window.loss and window.loss > limit
         if window.nonfinite or spiked:
             what = (
                 "a non-finite loss"
                 if window.nonfinite
-                else f"loss {window.loss:.4g} > {self.spike_factor:g} x {best:.4g}"
+                else f"loss {window.loss:.4g} > {limit:.4g} ({self.spike_factor:g} x the best recent {best:.4g})"
             )
             if mode != "sync" and self.cooldown_windows:
                 self.banned[mode] = self.cooldown_windows

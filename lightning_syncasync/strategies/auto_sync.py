@@ -7,7 +7,9 @@ Modes:
   :class:`~lightning_syncasync.algorithms.averaging.DelayedAverager` (``inter_period``, ``max_delay``).
 * ``async``: ``async_ssp``'s: by default round-level async (``local_steps > 1``): every rank steps its own replica
   with its own optimizer and its local progress travels every round through
-  :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` under the bound ``staleness`` (in rounds); with
+  :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` under the bound ``staleness`` (in rounds), each
+  round ``local_steps`` steps long on every rank (not ``async_ssp``'s rounds of wall-clock length, which deadlock
+  with the switcher's gathers at step boundaries: see ``_enter``); with
   ``local_steps=1`` local gradients are exchanged in the background by
   :class:`~lightning_syncasync.algorithms.ssp.SSPExchange` and applied on every replica as the same server updates.
 
@@ -356,6 +358,13 @@ class AutoSyncStrategy(
                     self._groups["ssp"],
                     local_steps=self.local_steps,
                     staleness=self.staleness,
+                    # Rounds of local_steps steps, not of wall-clock length: SyncSwitcher and AdaptiveBatchSize
+                    # gather every rank's window at the same step, so a fast rank waits there for a slow one, and
+                    # wall-clock rounds kept ending on the slow rank meanwhile (past their deadlines, with no new
+                    # step) until its staleness bound needed a round the blocked rank had not launched: a deadlock
+                    # (jitter_long, 5 runs of 5; test_async_rounds_and_the_switchers_window_collective_do_not_
+                    # deadlock). Rounds counted in steps meet the step-indexed gathers in the same order everywhere.
+                    dynamic=False,
                     compressor=self._compressor(),
                     recorder=self.sync_stats,
                     scope="inter" if self.topology.num_nodes > 1 else "intra",

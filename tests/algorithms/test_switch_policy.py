@@ -69,7 +69,18 @@ def test_divergence_rolls_back_and_bans_the_mode():
     assert d.mode == "sync" and "diverged recently" in d.reason
     assert p.decide(jitter, "sync").mode == "async"  # the cooldown is over
     spike = p.decide(window(loss=5.0), "async")
-    assert spike.rollback and "loss 5 > 2 x 1" in spike.reason
+    assert spike.rollback and "loss 5 > 2 (2 x the best recent 1)" in spike.reason
+
+
+def test_a_negative_loss_that_keeps_falling_is_not_a_spike():
+    # A log-likelihood below zero: -31 after -18.5 is progress (it was read as a spike, since -31 > 2 x -18.5, and
+    # every window rolled back); a rise to -18.5 + 18.5 = 0 and above is one.
+    p = policy()
+    assert not p.decide(window(loss=-18.5), "async").rollback
+    assert not p.decide(window(loss=-31.0), "async").rollback
+    assert not p.decide(window(loss=-1.0), "async").rollback  # a rise, within the factor of the best (-31)
+    spike = p.decide(window(loss=0.5), "async")
+    assert spike.rollback and "loss 0.5 > 0 (2 x the best recent -31)" in spike.reason
 
 
 def test_state_round_trip():

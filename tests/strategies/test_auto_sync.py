@@ -236,3 +236,24 @@ def test_the_gathering_callbacks_raise_no_deprecation_warning(tmp_path):
         assert not [m for m in messages if "all_gather" in m], messages
     decisions = torch.load(tmp_path / "rank0.pt")["decisions"]
     assert len(decisions) >= 2  # the switcher did gather, window after window
+
+
+@pytest.mark.timeout(240)
+def test_async_rounds_and_the_switchers_window_collective_do_not_deadlock(tmp_path):
+    # The jitter_long deadlock (issue 49's runs): the switcher gathers every rank's window at the same step, so a
+    # fast rank waits there for a slow one; rounds of wall-clock length kept ending on the slow rank meanwhile (past
+    # their deadlines, with no new step), until its staleness bound needed a round the blocked fast rank had not
+    # launched: each waited for the other, and the run died on peer_timeout_s. Rounds in auto_sync now end by step.
+    # straggler_low=1: once async, it stays async (every window's ratio is >= 1), and the window gathers go on.
+    switcher = SyncSwitcher(window=3, first_window=3, warmup_steps=0, dwell_windows=1, rebalance=False,
+                            straggler_high=1.05, straggler_low=1.0, jitter_high=5.0, jitter_low=4.0,
+                            allow_async=True)  # fmt: skip
+    strategy = AutoSyncStrategy(local_steps=2, staleness=1, compensation="none", peer_timeout_s=20.0,
+                                start_method="fork")  # fmt: skip
+    steps = 40
+    ranks, summary = _fit(tmp_path, strategy, ConstantGradModel(slow_rank=1, delay=0.05), steps=steps,
+                          callbacks=[switcher])  # fmt: skip
+    assert ("switch", "sync", "async") in [(e["kind"], e["mode"], e["next"]) for e in summary["events"]]
+    want = torch.full((16,), -ConstantGradModel.lr * steps * 1.5)  # every update applied once, whatever the modes
+    for r in ranks:
+        torch.testing.assert_close(r["final"], want, rtol=0, atol=1e-6)
