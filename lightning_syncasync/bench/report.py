@@ -190,10 +190,10 @@ def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
                 continue
             n += 1
             mine, theirs = samples_to_target(run), samples_to_target(ref)
-            if mine is not None:
-                reached += 1
-            if theirs:
-                ratios.append((mine if mine is not None else _budget_samples(run)) / theirs)
+            reached += mine is not None
+            mine = mine if mine is not None else _budget_samples(run)
+            if theirs and mine:
+                ratios.append(mine / theirs)
             if run.get("final_val_metric") is not None and ref.get("final_val_metric") is not None:
                 finals.append(100 * (run["final_val_metric"] - ref["final_val_metric"]))
             t_me, t_ref = run.get("time_to_target_s"), ref.get("time_to_target_s")
@@ -216,10 +216,12 @@ def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _budget_samples(run: dict[str, Any]) -> float:
+def _budget_samples(run: dict[str, Any]) -> float | None:
+    """The samples of the whole budget (a seed that never reached the target counts as that), if the record says."""
     cfg = run.get("config") or {}
     trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
-    return float(run["steps"] * (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1) * data["batch_size"])
+    total = (run.get("steps") or 0) * (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1)
+    return float(total * data["batch_size"]) if total and data.get("batch_size") else None
 
 
 ELASTIC_KEYS = (
