@@ -153,21 +153,17 @@ def samples_to_target(run: dict[str, Any]) -> float | None:
     samples are that share of the budget. Where it runs every so many steps, the ranks step together (DDP,
     ``hier_sync``): the step times the global batch.
     """
-    history, target = run.get("val_history") or [], run.get("target")
-    cfg = run.get("config") or {}
-    trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
-    batch, steps = data.get("batch_size"), run.get("steps")
-    world = (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1)
-    if target is None or not history or not batch or not world or not isinstance(steps, int):
+    history, target, budget = run.get("val_history") or [], run.get("target"), _budget_samples(run)
+    if target is None or not history or budget is None:
         return None
     sc = lookup(run["scenario"])
     better = (lambda v: v <= target) if sc is not None and sc.mode == "min" else (lambda v: v >= target)
     hit = next((i for i, h in enumerate(history) if h.get("value") is not None and better(h["value"])), None)
     if hit is None:
         return None
-    if trainer.get("val_check_interval") is None:  # at epoch ends: the share of the budget's epochs
-        return (hit + 1) / len(history) * steps * world * batch
-    return float(history[hit]["step"] * world * batch)
+    if ((run.get("config") or {}).get("trainer") or {}).get("val_check_interval") is None:
+        return (hit + 1) / len(history) * budget  # at epoch ends: the share of the budget's epochs
+    return float(history[hit]["step"] * budget / run["steps"])  # the step times the global batch
 
 
 def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
@@ -217,10 +213,12 @@ def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _budget_samples(run: dict[str, Any]) -> float | None:
-    """The samples of the whole budget (a seed that never reached the target counts as that), if the record says."""
+    """The samples of the whole budget (steps x ranks x batch; a seed that never reached the target counts as
+    that), if the record says."""
     cfg = run.get("config") or {}
     trainer, data = cfg.get("trainer") or {}, cfg.get("data") or {}
-    total = (run.get("steps") or 0) * (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1)
+    steps = run.get("steps")
+    total = (steps if isinstance(steps, int) else 0) * (trainer.get("devices") or 0) * (trainer.get("num_nodes") or 1)
     return float(total * data["batch_size"]) if total and data.get("batch_size") else None
 
 
