@@ -29,7 +29,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_syncasync.bench.report import elastic_answers, elastic_table, learning_table, scenario_table, summarise
+from lightning_syncasync.bench.evidence import REFERENCES, Ranking
+from lightning_syncasync.bench.report import (
+    elastic_answers,
+    elastic_table,
+    learning_table,
+    ranking_lines,
+    scenario_table,
+    summarise,
+)
 from lightning_syncasync.bench.scenarios import lookup
 
 _BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
@@ -63,6 +71,10 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
         learning = learning_table(by_strategy) if found is None or not found.elastic else []
         if learning:
             lines += ["Learning per sample against `ddp`, seed by seed:", "", *learning, ""]
+        if found is None or not found.elastic:
+            ranked = [r for r in records if r["scenario"] == scenario and not r.get("quick")]
+            if ranked:
+                lines += ranking_lines(scenario, ranked) + [""]
         if found is not None and found.elastic:
             lines += elastic_table(by_strategy) + [""] + elastic_answers(scenario, table)
     cmds = _commands(records)
@@ -70,70 +82,125 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per scenario with a ``ddp`` row: the contender that reached the target soonest (median over the repeats that
-    reached it, among contenders that reached it in most repeats; how many did is shown beside it), its speed-up
-    over ``ddp``, its fraction of the no-communication limit and its final metric against ``ddp``'s. A later
-    file's ``ddp`` rows of a scenario replace an earlier's, and only the contenders of that file compete: a ratio is
-    of runs side by side in one invocation. ``--quick`` records are left out."""
-    # --quick runs (a few steps, an easier target) check throughput; they rank nothing here.
+def _headline_sources(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """``[(scenario, file, its records of that scenario)]``: each scenario's contenders from the latest file holding
+    its reference's (``ddp``'s, or ``fsdp``'s where it shards) rows, so that every ratio is of runs side by side in
+    one invocation (a contender re-run alone into a later file does not rank against them). ``--quick`` records
+    (a few steps, an easier target) check throughput and rank nothing."""
     results = {name: [r for r in records if not r.get("quick")] for name, records in results.items()}
-    # Each scenario ranks the contenders of the latest file holding its ddp rows, so that every ratio is of runs
-    # side by side in one invocation (a contender re-run alone into a later file does not rank against them).
-    ddp_file: dict[str, str] = {}
+    ref_file: dict[str, str] = {}
     for name, records in results.items():
+        refs = {r["scenario"] for r in records if r["strategy"] in REFERENCES}
         for rec in records:
-            if rec["strategy"] == "ddp":
-                ddp_file[rec["scenario"]] = name
+            if rec["scenario"] in refs:
+                ref_file[rec["scenario"]] = name
     order = list(dict.fromkeys(r["scenario"] for records in results.values() for r in records))
+    return [
+        (scenario, ref_file[scenario], [r for r in results[ref_file[scenario]] if r["scenario"] == scenario])
+        for scenario in sorted(ref_file, key=order.index)
+    ]
+
+
+def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per scenario with a reference (``ddp``, or ``fsdp`` where it shards): the contender with the soonest median
+    time to the target that the reference's runs alone choose, its time against the reference's with a bootstrap
+    interval over seeds, and the verdict (a winner only where the interval of the runner-up's time over its own
+    excludes 1; :mod:`~lightning_syncasync.bench.evidence`), with its fraction of the no-communication limit and
+    its final metric against the reference's. Node-fault scenarios, whose records have no validation curve, keep
+    the soonest median over the repeats that reached the scenario's own target (``ranking`` None)."""
     rows = []
-    for scenario in sorted(ddp_file, key=order.index):
-        name = ddp_file[scenario]
-        by_strategy = summarise([r for r in results[name] if r["scenario"] == scenario])[scenario]
-        ddp = by_strategy["ddp"]
-        if ddp["time_to_target_s"] is None:
+    for scenario, name, records in _headline_sources(results):
+        by_strategy = summarise(records)[scenario]
+        found = lookup(scenario)
+        if found is not None and found.elastic:
+            row = _elastic_headline_row(by_strategy)
+        else:
+            runs = {k: s["runs"] for k, s in by_strategy.items()}
+            ranking = Ranking.of(scenario, runs)
+            first = ranking.first
+            if first is None:  # nothing to rank (no reference, or no level every reference seed reaches): say why
+                if ranking.reference not in by_strategy:
+                    continue
+                row = {"best": ranking.reference, "ranking": ranking, "reached": 0, "repeats": 0,
+                       "reference": ranking.reference, "speedup": None}  # fmt: skip
+            else:
+                speedup = None if first.vs_ddp is None else first.vs_ddp.value
+                row = {"best": first.strategy, "ranking": ranking, "reached": first.reached, "repeats": first.seeds,
+                       "reference": ranking.reference, "speedup": speedup}  # fmt: skip
+        if row is None:
             continue
-        reached = {
-            k: s
-            for k, s in by_strategy.items()
-            if s["time_to_target_s"] is not None and 2 * s["reached"] > len(s["runs"])
-        }
-        best_name = min(reached, key=lambda k: reached[k]["time_to_target_s"]) if reached else "ddp"
-        best = by_strategy[best_name]
+        best, ref = by_strategy[row["best"]], by_strategy[row["reference"]]
         gap = None
-        if best["final_val_metric"] is not None and ddp["final_val_metric"] is not None:
-            gap = best["final_val_metric"] - ddp["final_val_metric"]
-        rows.append(
-            {
-                "scenario": scenario,
-                "best": best_name,
-                "speedup": ddp["time_to_target_s"] / best["time_to_target_s"],
-                "efficiency": best["efficiency"],
-                "ddp_efficiency": ddp["efficiency"],
-                "gap_points": None if gap is None else 100 * gap,
-                "repeats": len(best["runs"]),
-                "reached": best["reached"],
-                "metric": best["runs"][0].get("val_metric_name", "val metric"),
-                "file": name,
-            }
+        if best["final_val_metric"] is not None and ref["final_val_metric"] is not None:
+            gap = best["final_val_metric"] - ref["final_val_metric"]
+        row.update(
+            scenario=scenario,
+            efficiency=best["efficiency"],
+            ddp_efficiency=ref["efficiency"],
+            gap_points=None if gap is None else 100 * gap,
+            metric=best["runs"][0].get("val_metric_name", "val metric"),
+            file=name,
         )
+        rows.append(row)
     return rows
 
 
+def _elastic_headline_row(by_strategy: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """A node-fault scenario: the soonest median to the scenario's target among contenders that reached it in most
+    repeats (their records carry the time to target, not the curve)."""
+    ddp = by_strategy.get("ddp")
+    if ddp is None or ddp["time_to_target_s"] is None:
+        return None
+    reached = {
+        k: s for k, s in by_strategy.items() if s["time_to_target_s"] is not None and 2 * s["reached"] > len(s["runs"])
+    }
+    best_name = min(reached, key=lambda k: reached[k]["time_to_target_s"]) if reached else "ddp"
+    best = by_strategy[best_name]
+    return {"best": best_name, "ranking": None, "reached": best["reached"], "repeats": len(best["runs"]),
+            "reference": "ddp", "speedup": ddp["time_to_target_s"] / best["time_to_target_s"]}  # fmt: skip
+
+
 def headline_block(results: dict[str, list[dict[str, Any]]]) -> str:
+    rows = headline_rows(results)
     lines = [
-        "| scenario | best strategy | time to target vs `ddp` | fraction of the no-communication limit (`ddp`) "
-        "| final metric vs `ddp` | reached target | records |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | target (from the reference's runs) | soonest (median) | time to target: reference's over its "
+        "(90% CI) | verdict | fraction of the no-communication limit (reference) | final metric vs reference "
+        "| reached target | records |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in headline_rows(results):
+    elastic = []
+    for r in rows:
         eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
-        ddp_eff = "n/a" if r["ddp_efficiency"] is None else f"{100 * r['ddp_efficiency']:.1f}%"
+        ref_eff = "n/a" if r["ddp_efficiency"] is None else f"{100 * r['ddp_efficiency']:.1f}%"
         gap = "n/a" if r["gap_points"] is None else f"{r['gap_points']:+.1f} points {r['metric']}"
+        ranking: Ranking | None = r["ranking"]
+        if ranking is None:
+            elastic.append(
+                f"| `{r['scenario']}` | `{r['best']}` | {r['speedup']:.2f}x sooner | {eff} ({ref_eff}) | {gap} "
+                f"| {r['reached']}/{r['repeats']} | `{r['file']}` |"
+            )
+            continue
+        first = ranking.first
+        if first is None:
+            cells = " | ".join(["n/a"] * 3 + [ranking.sentence()] + ["n/a"] * 3)
+            lines.append(f"| `{r['scenario']}` | {cells} | `{r['file']}` |")
+            continue
+        ratio = "reference" if first.vs_ddp is None else str(first.vs_ddp)
         lines.append(
-            f"| `{r['scenario']}` | `{r['best']}` | {r['speedup']:.2f}x sooner | {eff} ({ddp_eff}) | {gap} "
-            f"| {r['reached']}/{r['repeats']} | `{r['file']}` |"
+            f"| `{r['scenario']}` | {ranking.target:g} | `{r['best']}` | {ratio} (`{ranking.reference}`) "
+            f"| {ranking.sentence()} | {eff} ({ref_eff}) | {gap} | {r['reached']}/{r['repeats']} | `{r['file']}` |"
         )
+    if elastic:
+        lines += [
+            "",
+            "Node faults (records without validation curves: medians over the repeats that reached the scenario's "
+            "own target, not ranked by an interval):",
+            "",
+            "| scenario | best strategy | time to target vs `ddp` | fraction of the no-communication limit (`ddp`) "
+            "| final metric vs `ddp` | reached target | records |",
+            "|---|---|---|---|---|---|---|",
+            *elastic,
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -199,7 +266,8 @@ def render(
 
 
 def write_headline_figure(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
-    """A bar chart of the headline's speed-ups over ``ddp`` (``None`` when matplotlib is missing)."""
+    """The headline's ratios: per scenario, the reference's time to target over the soonest contender's, with its
+    90% bootstrap interval where the scenario is ranked by one (``None`` when matplotlib is missing)."""
     try:
         import matplotlib
 
@@ -207,11 +275,22 @@ def write_headline_figure(results: dict[str, list[dict[str, Any]]], path: Path) 
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = headline_rows(results)
-    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.5 * max(1, len(rows))))
-    ax.barh([f"{r['scenario']}\n{r['best']}" for r in rows], [r["speedup"] for r in rows], color="tab:blue")
-    ax.axvline(1.0, color="grey", lw=1, ls="--")
-    ax.set_xlabel("time to target: ddp / best (x sooner)")
+    rows = [r for r in headline_rows(results) if r["speedup"] is not None]
+    fig, ax = plt.subplots(figsize=(7.2, 0.8 + 0.55 * max(1, len(rows))))
+    labels, values, low, high, colors = [], [], [], [], []
+    for r in rows:
+        ranking = r["ranking"]
+        interval = ranking.first.vs_ddp if ranking is not None and ranking.first is not None else None
+        verdict = "node faults, 3 seeds" if ranking is None else ranking.verdict.split(":")[0]
+        labels.append(f"{r['scenario']}\n{r['best']} ({verdict})")
+        values.append(r["speedup"])
+        low.append(r["speedup"] - (interval.low if interval else r["speedup"]))
+        high.append((interval.high if interval else r["speedup"]) - r["speedup"])
+        colors.append("tab:blue" if ranking is not None and ranking.verdict == "winner" else "tab:gray")
+    ax.barh(labels, values, xerr=[low, high], color=colors, capsize=3)
+    ax.axvline(1.0, color="black", lw=1, ls="--")
+    ax.set_xlabel("time to target: reference / soonest (x sooner), 90% bootstrap interval over seeds")
+    ax.tick_params(axis="y", labelsize=7)
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: regenerating is reproducible

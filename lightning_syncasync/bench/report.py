@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync._cores import usable_cores
+from lightning_syncasync.bench.evidence import REFERENCES, Ranking
 from lightning_syncasync.bench.runner import median_or_none
 from lightning_syncasync.bench.scenarios import lookup
 
@@ -105,6 +106,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
         learning = learning_table(by_strategy) if sc is None or not sc.elastic else []
         if learning:
             lines += ["", "Learning per sample against `ddp`, seed by seed:", "", *learning]
+        if (sc is None or not sc.elastic) and not quick:
+            lines += ["", *ranking_lines(name, [r for s in by_strategy.values() for r in s["runs"]])]
         if sc is not None and sc.elastic:
             lines += ["", *elastic_table(by_strategy), "", f"![{name} against time](elastic_{name}.png)"]
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)
@@ -210,6 +213,18 @@ def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
             f"| {_fmt(median_or_none(kept), '.2f')}{_spread(kept, '.2f')} ({len(kept)} seeds) |"
         )
     return lines
+
+
+def ranking_lines(scenario: str, records: list[dict[str, Any]]) -> list[str]:
+    """Issue 48's ranking of one scenario's records (:class:`~lightning_syncasync.bench.evidence.Ranking`): the
+    contenders of the invocation that ran its reference, by median time to a target the reference's runs chose,
+    with bootstrap intervals and the verdict."""
+    commands = {r.get("command") for r in records if r["strategy"] in REFERENCES}
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if not commands or r.get("command") in commands:  # only runs side by side with the reference
+            by.setdefault(r["strategy"], []).append(r)
+    return Ranking.of(scenario, by).table()
 
 
 def _budget_samples(run: dict[str, Any]) -> float | None:

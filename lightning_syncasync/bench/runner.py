@@ -34,6 +34,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_syncasync.bench.evidence import tta_curve
 from lightning_syncasync.bench.scenarios import SCENARIOS, Scenario
 from lightning_syncasync.emulate.cluster import EmulatedCluster
 
@@ -386,6 +387,9 @@ class BenchRunner:
                 record["time_to_target_s"] = h["train_s"]
                 record["time_to_target_wall_s"] = h["elapsed_s"]
                 break
+        # The time-to-accuracy curve (training seconds when each level of a fixed grid was first reached): what
+        # a ranking to a target chosen after the runs reads (bench.evidence), kept beside the history it comes from.
+        record["tta_curve"] = tta_curve(record)
         return record
 
     def _run_ideal(self, scenario: Scenario, rep: int) -> dict[str, Any]:

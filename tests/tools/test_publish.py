@@ -14,10 +14,18 @@ from lightning_syncasync.bench.publish import headline_block, headline_rows, ren
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _rec(strategy: str, repeat: int, tt: float | None, final: float, eff: float, scenario: str = "straggler_long"):
-    return {"scenario": scenario, "strategy": strategy, "repeat": repeat, "time_to_target_s": tt,
-            "final_val_metric": final, "efficiency": eff, "samples_per_s": 100 * eff, "val_metric_name": "val_acc",
-            "command": f"syncasync-bench --scenario {scenario}"}  # fmt: skip
+CURVE = [0.90, 0.94, 0.955, 0.962, 0.966, 0.968, 0.969, 0.970, 0.970, 0.971]  # ddp reaches 0.965 at 50%
+
+
+def _rec(strategy: str, seed: int, seconds_per_epoch: float, eff: float, curve: list[float] = CURVE,
+         scenario: str = "straggler_long", command: str = "cmd") -> dict:  # fmt: skip
+    """A run validated at every epoch end (10 epochs), ``curve`` its validation accuracies."""
+    history = [{"elapsed_s": (i + 1) * seconds_per_epoch, "train_s": (i + 1) * seconds_per_epoch,
+                "step": 25 * (i + 1), "value": v} for i, v in enumerate(curve)]  # fmt: skip
+    return {"scenario": scenario, "strategy": strategy, "repeat": seed, "train_seed": seed, "steps": 250,
+            "val_history": history, "final_val_metric": curve[-1], "efficiency": eff, "samples_per_s": 100 * eff,
+            "time_to_target_s": None, "val_metric_name": "val_acc", "config": {"trainer": {}},
+            "command": f"syncasync-bench --scenario {scenario} {command}"}  # fmt: skip
 
 
 def test_the_committed_docs_match_their_results_files(monkeypatch, capsys):
@@ -27,29 +35,38 @@ def test_the_committed_docs_match_their_results_files(monkeypatch, capsys):
     assert code == 0, capsys.readouterr().out  # HINT: syncasync-bench report --from docs/results --to ... regenerates
 
 
-def test_headline_picks_the_soonest_contender_that_reached_in_most_repeats():
-    records = [_rec("ddp", r, 40.0 + r, 0.971, 0.67) for r in range(3)]
-    records += [_rec("async_ssp", r, 30.0 + r, 0.969, 0.95) for r in range(3)]
-    # Sooner, but reached the target in one repeat of three: not a winner.
-    records += [_rec("lucky", 0, 10.0, 0.97, 0.8)] + [_rec("lucky", r, None, 0.95, 0.8) for r in (1, 2)]
+def test_headline_names_a_winner_only_where_its_interval_excludes_one():
+    records = [_rec("ddp", s, 4.0 + 0.1 * s, 0.67) for s in range(5)]
+    records += [_rec("async_ssp", s, 2.0 + 0.1 * s, 0.95) for s in range(5)]
+    # Sooner on two seeds, but it levels off below the target on three: censored at its budget, not a winner.
+    plateau = [0.9, 0.94, 0.955, 0.96, 0.96, 0.96, 0.96, 0.96, 0.96, 0.96]
+    records += [_rec("lucky", s, 1.5, 0.8, CURVE if s < 2 else plateau) for s in range(5)]
     (row,) = headline_rows({"a.json": records})
-    assert row["best"] == "async_ssp" and row["speedup"] == pytest.approx(41.0 / 31.0)
-    assert row["gap_points"] == pytest.approx(-0.2) and row["file"] == "a.json"
-    assert (row["reached"], row["repeats"]) == (3, 3)
-    # A winner that missed the target in one repeat says so beside its speed-up.
-    records[3]["time_to_target_s"] = None
-    assert "| 2/3 |" in headline_block({"a.json": records})
-    # A --quick run ranks nothing, however soon it got there.
-    quick = [{**_rec(s, 0, 1.0, 0.97, 0.9, scenario="homogeneous_long"), "quick": True} for s in ("ddp", "fast")]
+    assert row["best"] == "async_ssp" and row["speedup"] == pytest.approx(4.2 / 2.2)
+    assert row["ranking"].target == pytest.approx(0.965) and (row["reached"], row["repeats"]) == (5, 5)
+    # lucky's two early seeds make its interval reach below 1: first by the median, but not a winner over it.
+    assert [s.strategy for s in row["ranking"].standings] == ["async_ssp", "lucky", "ddp"]
+    assert row["ranking"].verdict == "tie" and "tie: `async_ssp` and `lucky`" in headline_block({"a.json": records})
+    # Without it, async_ssp's 1.9x over every seed of ddp is a winner.
+    clear = [r for r in records if r["strategy"] != "lucky"]
+    block = headline_block({"a.json": clear})
+    assert "| `straggler_long` | 0.965 | `async_ssp` | 1.91x [" in block and "`async_ssp` wins" in block
+    assert headline_rows({"a.json": clear})[0]["file"] == "a.json"
+    # Seeds that overlap make it a tie, naming both.
+    slow = [_rec("ddp", s, t, 0.67) for s, t in enumerate([4.0, 2.5, 3.0, 2.2, 3.8])]
+    close = [_rec("async_ssp", s, t, 0.95) for s, t in enumerate([2.4, 3.9, 2.3, 3.6, 2.8])]
+    assert "tie: `async_ssp` and `ddp`" in headline_block({"a.json": slow + close})
+    # Three seeds rank nothing; a --quick run ranks nothing, however soon it got there.
+    assert "not ranked: 3 seeds" in headline_block({"a.json": [r for r in records if r["train_seed"] < 3]})
+    quick = [{**_rec(s, 0, 0.1, 0.9, scenario="homogeneous_long"), "quick": True} for s in ("ddp", "fast")]
     assert [r["scenario"] for r in headline_rows({"a.json": records, "b.json": quick})] == ["straggler_long"]
 
 
 def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    (results / "a.json").write_text(
-        json.dumps([_rec("ddp", 0, 40.0, 0.97, 0.6), _rec("hier_sync", 0, 30.0, 0.97, 0.8)])
-    )
+    first = [_rec("ddp", s, 4.0, 0.6) for s in range(5)] + [_rec("hier_sync", s, 3.0, 0.8) for s in range(5)]
+    (results / "a.json").write_text(json.dumps(first))
     doc = tmp_path / "doc.md"
     doc.write_text(
         "intro\n<!-- bench:table a.json -->\nold\n<!-- bench:end -->\n<!-- bench:headline -->\n<!-- bench:end -->\n"
@@ -57,20 +74,23 @@ def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_pat
     assert bench_main(["report", "--from", str(results), "--to", str(doc), "--check"]) == 1  # stale
     assert bench_main(["report", "--from", str(results), "--to", str(doc)]) == 0
     text = doc.read_text()
-    assert text.startswith("intro\n") and "| hier_sync | 80.0 " in text and "1.33x sooner" in text
+    assert text.startswith("intro\n") and "| hier_sync | 80.0 " in text and "`hier_sync` | 1.33x [1.33-1.33]" in text
+    assert "| hier_sync | 15.0 | 5/5 | 1.33x [1.33-1.33] |" in text  # the table's ranking, under the scenario
     assert bench_main(["report", "--from", str(results), "--to", str(doc), "--check"]) == 0
     # hier_sync re-run alone into a later results folder: its rows follow, but it no longer ranks against a ddp
     # measured in another invocation (a ratio is of runs side by side).
     (results / "b").mkdir()
-    (results / "b" / "results.json").write_text(json.dumps([_rec("hier_sync", 0, 35.0, 0.97, 0.5)]))
+    (results / "b" / "results.json").write_text(json.dumps([_rec("hier_sync", s, 3.5, 0.5, command="b")
+                                                            for s in range(5)]))  # fmt: skip
     assert bench_main(["report", "--from", str(results), "--to", str(doc)]) == 0
-    assert "`hier_sync` | 1.14x sooner" not in doc.read_text() and "| hier_sync | 50.0 " not in doc.read_text()
+    assert "`hier_sync` | 1.14x" not in doc.read_text() and "| hier_sync | 50.0 " not in doc.read_text()
     # Re-run beside ddp, it ranks again.
     (results / "b" / "results.json").write_text(
-        json.dumps([_rec("ddp", 0, 42.0, 0.97, 0.6), _rec("hier_sync", 0, 35.0, 0.97, 0.5)])
-    )
+        json.dumps([_rec("ddp", s, 4.2, 0.6, command="b") for s in range(5)]
+                   + [_rec("hier_sync", s, 3.5, 0.5, command="b") for s in range(5)])
+    )  # fmt: skip
     assert bench_main(["report", "--from", str(results), "--to", str(doc)]) == 0
-    assert "`hier_sync` | 1.20x sooner" in doc.read_text()
+    assert "`hier_sync` | 1.20x [1.20-1.20]" in doc.read_text()
 
 
 def test_a_marker_naming_a_missing_results_file_is_refused(tmp_path):
