@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync._cores import usable_cores
-from lightning_syncasync.bench.evidence import REFERENCES, Ranking
+from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_geomean
 from lightning_syncasync.bench.runner import median_or_none
 from lightning_syncasync.bench.scenarios import lookup
 
@@ -203,12 +203,16 @@ def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
             continue
         if not lines:
             lines = [
-                "| strategy | samples to target / DDP's | reached | final - DDP's (points) | time-to-target speed-up / "
+                "| strategy | samples to target / DDP's: median [seeds' min-max]; geometric mean [90% bootstrap "
+                "interval] | reached "
+                "| final - DDP's (points) | time-to-target speed-up / "
                 "throughput ratio |",
                 "|---|---|---|---|---|",
             ]
+        geo = bootstrap_geomean(ratios)
+        interval = "" if geo is None else f"; geometric mean {geo}"
         lines.append(
-            f"| {strategy} | {_fmt(median_or_none(ratios), '.2f')}x{_spread(ratios, '.2f')} | {reached}/{n} "
+            f"| {strategy} | {_fmt(median_or_none(ratios), '.2f')}x{_spread(ratios, '.2f')}{interval} | {reached}/{n} "
             f"| {_fmt(median_or_none(finals), '+.1f')}{_spread(finals, '+.1f')} "
             f"| {_fmt(median_or_none(kept), '.2f')}{_spread(kept, '.2f')} ({len(kept)} seeds) |"
         )

@@ -8,6 +8,7 @@ import pytest
 from lightning_syncasync.bench.evidence import (
     MIN_SEEDS,
     Ranking,
+    bootstrap_geomean,
     bootstrap_ratio,
     budget_time,
     rule_target,
@@ -103,3 +104,14 @@ def test_a_sharded_scenario_ranks_against_fsdp_and_bootstrap_pairs_seeds():
     interval = bootstrap_ratio({s: 2.0 * (s + 1) for s in range(5)}, {s: float(s + 1) for s in range(5)})
     assert interval is not None and interval.low == interval.high == pytest.approx(2.0)
     assert Ranking.of("x", {"hsdp": hsdp}).verdict.startswith("not ranked: no ddp or fsdp runs")
+
+
+def test_per_seed_ratios_get_a_geometric_mean_interval_narrower_than_their_range():
+    ratios = [1.26, 0.89, 1.38, 1.54, 1.14]  # hier_sync's samples to 0.34 over ddp's on slow_link, seed by seed
+    interval = bootstrap_geomean(ratios)
+    assert interval is not None and interval.value == pytest.approx(1.2205, abs=1e-3)
+    assert min(ratios) < interval.low < interval.value < interval.high < max(ratios)
+    assert interval.excludes_one()
+    # 2x and 0.5x average to 1x; a single seed has no interval.
+    assert bootstrap_geomean([2.0, 0.5]).value == pytest.approx(1.0)  # type: ignore[union-attr]
+    assert bootstrap_geomean([1.2]) is None
