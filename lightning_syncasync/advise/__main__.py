@@ -250,7 +250,14 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     source = f"calibrated ({args.params})" if params else "defaults, uncalibrated (--params FILE from --calibrate)"
     print(f"\npredicted at {meas.nodes} node(s) x {meas.procs_per_node}; cost-model parameters: {source}")
     print("\n".join(format_predictions(shown, rec.allowed, rec.strategy, rec.steps_factor)))
-    print(f"\nrecommended: {rec.strategy}")
+    if rec.tie_with:
+        print(f"\nrecommended: {rec.strategy}, a tie with {rec.tie_with} (predicted {rec.margin:.2f}x as fast to a "
+              f"target, within the cost model's measured error of +-{rec.model_error:.0%}): either")  # fmt: skip
+    else:
+        confidence = (
+            "" if rec.margin is None else f" ({rec.margin:.2f}x its runner-up {rec.runner_up}'s predicted rate)"
+        )
+        print(f"\nrecommended: {rec.strategy}{confidence}")
     print(f"  Hydra: {rec.hydra}")
     print(f"  CLI:   {rec.cli}  (plus your --model/--data)")
     out: dict[str, Any] = {"measurements": meas.as_dict(), "recommendation": rec.as_dict(), "params": params}

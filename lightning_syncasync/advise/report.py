@@ -104,6 +104,11 @@ class Measurements:
         return asdict(self)
 
 
+# The cost model's measured error (mean |relative error| of predicted samples/s, each scenario's records predicted
+# by parameters calibrated on the other scenarios'). Measured: see Thresholds.model_error.
+MODEL_ERROR = 0.15
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Where the decision flow branches.
@@ -132,6 +137,10 @@ class Thresholds:
             period averager at 100 at periods 16-32). 1.0 ranks by throughput.
         powersgd_steps: the same for ``ddp_powersgd`` (rank 4): on the slow_link LM it crossed 0.34 at step 128
             against ``ddp_int8``'s 85 and DDP's 90, and ended 2.6 points below DDP.
+        model_error: the cost model's measured relative error of a predicted throughput (``--calibrate`` on the
+            committed benchmark records, held out by scenario; see ``MODEL_ERROR``). A pick predicted to reach a
+            target less than ``1 + model_error`` times as fast as its runner-up is a tie, not a winner: the
+            advisor says so and names both.
 
     Example::
 
@@ -151,11 +160,13 @@ class Thresholds:
     allow_async: bool = False
     local_sgd_steps: float = 1.2
     powersgd_steps: float = 1.4
+    model_error: float = MODEL_ERROR
 
     def __post_init__(self) -> None:
         if self.straggler_ratio < 1:
             raise ValueError(f"straggler_ratio must be >= 1, got {self.straggler_ratio}")
-        for name in ("jitter_p", "comm_fraction", "bandwidth_ratio", "min_gain", "settings_tolerance", "straggler_cv"):
+        for name in ("jitter_p", "comm_fraction", "bandwidth_ratio", "min_gain", "settings_tolerance", "straggler_cv",
+                     "model_error"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("local_sgd_steps", "powersgd_steps"):
@@ -180,6 +191,12 @@ class Recommendation:
     cli: str
     regime: dict[str, bool]
     steps_factor: dict[str, float] = field(default_factory=dict)
+    # The pick's predicted rate to the target over the runner-up's, and whether that margin is within the cost
+    # model's measured error (then ``tie_with`` names the runner-up: the prediction cannot tell them apart).
+    runner_up: str | None = None
+    margin: float | None = None
+    model_error: float = 0.0
+    tie_with: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -329,15 +346,27 @@ def recommend(
         )
         best = "ddp"
     gain = useful[best] / ddp.samples_per_s
+    # Confidence: the pick's predicted rate to the target against the runner-up's, next to the model's measured
+    # error. Within it, the prediction cannot tell them apart, and the flow says "tie" rather than name a winner.
+    runner = max((s for s in usable if s != best), key=lambda s: useful[s], default=None)
+    margin = useful[best] / useful[runner] if runner is not None else None
+    tie = runner if margin is not None and margin < 1 + th.model_error else None
+    if margin is not None:
+        flow.append(
+            f"|- confidence: {best} predicted to reach a target {margin:.2f}x as fast as the runner-up {runner}; the "
+            f"cost model's measured error is +-{th.model_error:.0%}"
+            + (f" -> a tie: the prediction cannot tell {best} from {runner}" if tie else " -> a winner")
+        )
     flow.append(
         f"`- recommendation: {best} {_fmt_settings(settings[best])}(predicted {preds[best].samples_per_s:.1f} "
         f"samples/s, {preds[best].efficiency:.1%} efficiency, a target {gain:.2f}x sooner than DDP)"
+        + (f"; tied with {tie}" if tie else "")
     )
     return Recommendation(
         strategy=best, settings=settings[best], allowed=usable, flow=flow, predictions=preds,
         hydra=hydra_line(best, settings[best], m), cli=cli_line(best, settings[best], m),
         regime={"persistent_straggler": persistent, "jitter": jitter, "comm_bound": comm_bound, "hierarchy": hier},
-        steps_factor=factor,
+        steps_factor=factor, runner_up=runner, margin=margin, model_error=th.model_error, tie_with=tie,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lightning_syncasync.bench.report import merge_results, write_plots, write_report
+from lightning_syncasync.bench.report import merge_advice, merge_results, write_plots, write_report
 from lightning_syncasync.bench.runner import BenchRunner, available_contenders, resolve_contenders
 from lightning_syncasync.bench.scenarios import SCENARIOS
 from lightning_syncasync.emulate.network import EmulationUnavailable, check_netns_support
@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--scenario", required=True, help=f"comma-separated, from {sorted(SCENARIOS)}")
-    p.add_argument("--strategies", default="ddp", help="comma-separated contenders, or 'baselines'")
+    p.add_argument(
+        "--strategies", default="ddp", help="comma-separated contenders, 'baselines', or 'none' (with --advise)"
+    )
     p.add_argument("--out", default="bench_out", help="output folder (results accumulate across invocations)")
     p.add_argument("--quick", action="store_true", help="short budgets: a scenario in minutes on 2 cores")
     p.add_argument("--repeats", type=int, default=1, help="measurements per contender (medians are reported)")
@@ -56,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="extra syncasync-train override for every run, e.g. model=my_model or "
         "model._target_=my_pkg.MyModule (your own workload on the scenario's cluster); repeatable",
+    )
+    p.add_argument(
+        "--advise",
+        action="store_true",
+        help="also run syncasync-advise inside each scenario's emulated cluster (before its contenders) and keep its "
+        "pick in advice.json, which `syncasync-bench report` scores against the measured ranking",
     )
     p.add_argument("--list", action="store_true", help="list scenarios and contenders and exit")
     return p
@@ -85,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--link-mbit needs network namespaces; HINT: drop --no-netns (and run as root)")
             scenarios = [s.with_link(args.link_mbit) for s in scenarios]
         contenders = resolve_contenders(args.strategies)
+        if not contenders and not args.advise:
+            raise ValueError(
+                "--strategies none runs nothing; HINT: add --advise (the advisor alone), or name contenders"
+            )
         netns = not args.no_netns
         if netns and any(s.netns for s in scenarios):
             check_netns_support()
@@ -104,10 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     command = "syncasync-bench " + shlex.join(argv)
     records = []
     for scenario in scenarios:
+        if args.advise:
+            advice = runner.advise(scenario)
+            advice["command"] = command
+            merge_advice(out, advice)
+        if not contenders:
+            continue
         fresh = runner.run(scenario, contenders)
         for rec in fresh:
             rec["command"] = command
         records = merge_results(out, fresh)
+    if not records:
+        return 0  # the advisor alone (--strategies none --advise): advice.json holds its picks
     report = write_report(out, records, command)
     write_plots(out, records)
     logging.info("report: %s", report)

@@ -10,6 +10,8 @@ rewrites (and nothing else)::
     <!-- bench:end -->
     <!-- bench:rows slow_link_compression.json -->      a file of flat rows (a study's own records), as a table
     <!-- bench:end -->
+    <!-- bench:advice advice.json -->                  the advisor's picks (syncasync-bench --advise) scored
+    <!-- bench:end -->                                   against each scenario's measured ranking
     <!-- bench:script collective_bytes.py collective_bytes.json -->   what ``python scripts/collective_bytes.py
     <!-- bench:end -->                                   --table <from>/collective_bytes.json`` prints (a study script)
 
@@ -29,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_syncasync.bench.evidence import REFERENCES, Ranking
+from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_ratio
 from lightning_syncasync.bench.report import (
     elastic_answers,
     elastic_table,
@@ -40,7 +42,7 @@ from lightning_syncasync.bench.report import (
 )
 from lightning_syncasync.bench.scenarios import lookup
 
-_BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
+_BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script|advice) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
 HEADLINE_FIGURE = "headline.png"
 
 
@@ -204,6 +206,69 @@ def headline_block(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def score_advice(advice: dict[str, Any], results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One scenario's advisor pick against its measured ranking (issue 48): ``score`` is ``"best"`` (the measured
+    first), ``"tied"`` (the interval of the pick's median time over the first's includes 1), ``"wrong"``, or why
+    it cannot be scored (the pick was not measured there, the scenario is not ranked)."""
+    scenario = advice["scenario"]
+    source = next((s for s in _headline_sources(results) if s[0] == scenario), None)
+    out: dict[str, Any] = {"scenario": scenario, "pick": advice.get("pick"), "ranking": None, "vs_first": None}
+    if "error" in advice:
+        return {**out, "score": f"advisor failed: {advice['error']}"}
+    if source is None:
+        return {**out, "score": "no measurement of this scenario"}
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in source[2]:
+        by.setdefault(r["strategy"], []).append(r)
+    ranking = Ranking.of(scenario, by)
+    out["ranking"] = ranking
+    first = ranking.first
+    if first is None or ranking.verdict.startswith("not ranked"):
+        return {**out, "score": f"{ranking.verdict}"}
+    mine = next((s for s in ranking.standings if s.strategy == advice.get("pick")), None)
+    if mine is None:
+        return {**out, "score": f"`{advice.get('pick')}` not measured here"}
+    if mine is first:
+        return {**out, "score": "best"}
+    interval = bootstrap_ratio(mine.times, first.times)
+    out["vs_first"] = interval
+    tied = interval is not None and not interval.excludes_one()
+    return {**out, "score": "tied" if tied else "wrong"}
+
+
+def advice_block(path: Path, results: dict[str, list[dict[str, Any]]]) -> str:
+    """The advisor scored (``syncasync-bench --advise``'s ``advice.json``): per scenario its pick and confidence
+    next to the measured ranking, and how many of the scored scenarios it got right."""
+    if not path.is_file():
+        raise ValueError(f"bench:advice needs {path}; HINT: syncasync-bench --scenario ... --advise --out DIR writes "
+                         "DIR/advice.json")  # fmt: skip
+    entries = json.loads(path.read_text()).get("advice", [])
+    lines = [
+        "| scenario | advisor's pick | its confidence (predicted margin over the runner-up; model error) "
+        "| measured first (verdict) | pick's time over the first's (90% CI) | score |",
+        "|---|---|---|---|---|---|",
+    ]
+    right = scored = 0
+    for a in entries:
+        sc = score_advice(a, results)
+        margin = (
+            f"{a['margin']:.2f}x over `{a.get('runner_up')}`; +-{a.get('model_error', 0):.0%}"
+            + (f"; says tie with `{a['tie_with']}`" if a.get("tie_with") else "")
+            if a.get("margin") is not None
+            else "n/a"
+        )
+        ranking = sc["ranking"]
+        first = "n/a" if ranking is None or ranking.first is None else f"`{ranking.first.strategy}` ({ranking.verdict})"
+        vs = "n/a" if sc["vs_first"] is None else str(sc["vs_first"])
+        if sc["score"] in ("best", "tied", "wrong"):
+            scored += 1
+            right += sc["score"] != "wrong"
+        lines.append(f"| `{a['scenario']}` | `{sc['pick']}` | {margin} | {first} | {vs} | {sc['score']} |")
+    lines += ["", f"The advisor's pick is the measured best or tied with it in {right} of the {scored} scenarios "
+              f"that could be scored (of {len(entries)} advised; records: `{path.name}`)."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def rows_block(path: Path) -> str:
     """A results file of flat rows (a list of dicts of numbers and strings) as a Markdown table, in file order."""
     rows = json.loads(path.read_text())
@@ -245,6 +310,10 @@ def render(
         kind = m.group(2)
         if kind == "headline":
             body = headline_block(results)
+        elif kind.startswith("advice "):
+            if source is None:
+                raise ValueError(f"{kind}: needs the results folder")
+            body = advice_block(source / kind.split()[1], results)
         elif kind.startswith(("rows ", "script ")):
             if source is None or scripts is None:
                 raise ValueError(f"{kind}: needs the results folder and the scripts folder")

@@ -29,6 +29,18 @@ def merge_results(out_dir: Path, records: list[dict[str, Any]]) -> list[dict[str
     return merged
 
 
+def merge_advice(out_dir: Path, advice: dict[str, Any]) -> Path:
+    """``advice.json``: the advisor's pick per scenario (``{"advice": [...]}``, a dict so that the docs generator
+    never reads it as bench records); a new run of a scenario replaces its old one."""
+    path = out_dir / "advice.json"
+    old = json.loads(path.read_text()).get("advice", []) if path.exists() else []
+    merged = [a for a in old if a["scenario"] != advice["scenario"]] + [advice]
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"advice": merged}, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
 def _fmt(v: float | None, spec: str = ".1f", none: str = "n/a") -> str:
     return none if v is None else format(v, spec)
 

@@ -71,7 +71,10 @@ def available_contenders() -> list[str]:
 
 
 def resolve_contenders(spec: str) -> list[Contender]:
-    """``"ddp,hier_sync"`` or ``"baselines"`` -> contenders, with a clear error for unknown names."""
+    """``"ddp,hier_sync"`` or ``"baselines"`` -> contenders, with a clear error for unknown names; ``"none"``: no
+    contender (the advisor alone, ``--advise``)."""
+    if spec.strip() == "none":
+        return []
     names: list[str] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         names.extend(BASELINES if item == "baselines" else [item])
@@ -160,6 +163,10 @@ def _plain_strategy_name(cls: type, params: dict[str, Any]) -> str | None:
         if entry["strategy"] is cls and init.pop("start_method", "popen") == "popen" and init == params:
             names.append(name)
     return min(names, key=len, default=None)
+
+
+# Seconds of compute timing per rank when the bench runs the advisor in a scenario (syncasync-advise's default is 5).
+ADVISE_SECONDS = 6.0
 
 
 class BenchRunner:
@@ -258,6 +265,33 @@ class BenchRunner:
                 rec.update(bound_fields(rec["samples_per_s"], rec.get("busy_samples_per_s"), ideal["samples_per_s"]))
             records.extend(rep_records)
         return records
+
+    def advise(self, scenario: Scenario, seconds: float = ADVISE_SECONDS) -> dict[str, Any]:
+        """``syncasync-advise`` inside the scenario's emulated cluster, as a user would run it before training (its
+        workload, its links, its stragglers and jitter as they are during the probe; ``--allow-async``, so that
+        every contender the bench measures is a candidate): its pick, the runner-up, its confidence and its
+        decision flow, for scoring against the measured ranking (``bench.publish``'s advice block)."""
+        run_dir = self.out_dir / scenario.name / "advise"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        out = run_dir / "advice.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "lightning_syncasync.advise", "--seconds", f"{seconds:g}", "--allow-async",
+               "--json", str(out), "--", *scenario.overrides, *self.extra_overrides]  # fmt: skip
+        log.info("[%s] syncasync-advise --seconds %g", scenario.name, seconds)
+        report = self._cluster(scenario, run_dir / "logs", independent=False).run(cmd, timeout_s=600.0)
+        record: dict[str, Any] = {"scenario": scenario.name, "seconds": seconds, "link_mbit": scenario.link_mbit}
+        if any(report.exit_codes) or not out.exists():
+            record["error"] = f"syncasync-advise failed (exit codes {report.exit_codes}); logs in {run_dir / 'logs'}"
+            return record
+        rec = json.loads(out.read_text())["recommendation"]
+        record.update(
+            pick=rec["strategy"], runner_up=rec.get("runner_up"), margin=rec.get("margin"),
+            model_error=rec.get("model_error"), tie_with=rec.get("tie_with"), regime=rec.get("regime"),
+            flow=rec.get("flow"), hydra=rec.get("hydra"),
+            predicted={k: v.get("samples_per_s") for k, v in (rec.get("predictions") or {}).items()},
+            steps_factor=rec.get("steps_factor"),
+        )  # fmt: skip
+        return record
 
     # -- one run ---------------------------------------------------------------------------------------------
 

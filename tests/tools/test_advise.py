@@ -297,3 +297,19 @@ def test_bad_calibration_files_are_rejected(tmp_path, capsys):
     (tmp_path / "obj.json").write_text("{}")
     assert main(["--calibrate", str(tmp_path / "obj.json")]) == 2
     assert "not a list of bench records" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_a_pick_within_the_models_measured_error_of_its_runner_up_is_a_tie():
+    m = _meas(inter=12.5e6)
+    sure = recommend(m, Thresholds(model_error=0.0))
+    assert sure.tie_with is None and sure.runner_up is not None and sure.margin is not None and sure.margin >= 1.0
+    assert any(line.startswith("|- confidence:") and line.endswith("-> a winner") for line in sure.flow)
+    # hier_sync and hier_sync_int8 are predicted within a few percent of each other here: with the model's error
+    # above that margin, the flow names both instead of a winner.
+    unsure = recommend(m, Thresholds(model_error=sure.margin))
+    assert unsure.strategy == sure.strategy and unsure.tie_with == sure.runner_up
+    assert f"tied with {sure.runner_up}" in unsure.flow[-1] and "a tie" in unsure.flow[-2]
+    assert unsure.as_dict()["tie_with"] == sure.runner_up
+    with pytest.raises(ValueError, match="model_error must be >= 0"):
+        Thresholds(model_error=-0.1)

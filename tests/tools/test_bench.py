@@ -39,6 +39,19 @@ def test_smoke_scenario_writes_every_file_with_sane_values(tmp_path):
     assert "| ddp |" in report and "no-communication limit" in report
 
 
+@pytest.mark.timeout(300)
+def test_the_advisor_runs_inside_the_scenarios_cluster_and_its_pick_is_kept(tmp_path):
+    run_main(bench_main, ["--scenario", "smoke", "--strategies", "none", "--advise", "--out", str(tmp_path),
+                          "--override", "model.hidden=32"])  # fmt: skip
+    (advice,) = json.loads((tmp_path / "advice.json").read_text())["advice"]
+    assert "error" not in advice, advice
+    assert advice["scenario"] == "smoke" and advice["pick"] in advice["predicted"]
+    assert advice["runner_up"] in advice["predicted"] and advice["margin"] >= 1.0 and advice["model_error"] > 0
+    assert any(line.startswith("|- confidence:") for line in advice["flow"])
+    assert "model.hidden=32" in advice["hydra"]  # the scenario's workload, with --override, is what was probed
+    assert not (tmp_path / "results.json").exists()  # no contender ran
+
+
 def test_contenders_resolve_from_files_and_baselines():
     names = [c.name for c in resolve_contenders("baselines,ddp")]
     assert names == list(BASELINES)  # duplicates dropped, order kept
@@ -58,6 +71,7 @@ def test_contenders_resolve_from_files_and_baselines():
         (["--scenario", "slow_link", "--link-mbit", "0"], "--link-mbit must be > 0"),
         (["--scenario", "slow_link", "--link-mbit", "25", "--no-netns"], "--link-mbit needs network namespaces"),
         (["--scenario", "smoke", "--vary-seed"], "--vary-seed needs --repeats >= 2"),
+        (["--scenario", "smoke", "--strategies", "none"], "--strategies none runs nothing"),
     ],
 )
 def test_bad_input_is_rejected_before_running(tmp_path, args, message):

@@ -93,6 +93,33 @@ def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_pat
     assert "`hier_sync` | 1.20x [1.20-1.20]" in doc.read_text()
 
 
+def test_the_advisor_is_scored_against_the_measured_ranking(tmp_path):
+    from lightning_syncasync.bench.publish import advice_block, score_advice
+
+    records = [_rec("ddp", s, 4.0 + 0.1 * s, 0.67) for s in range(5)]
+    records += [_rec("async_ssp", s, 2.0 + 0.1 * s, 0.95) for s in range(5)]
+    records += [_rec("hier_sync", s, t, 0.9) for s, t in enumerate([1.8, 2.4, 1.9, 2.6, 2.1])]
+    results = {"a.json": records}
+    first = score_advice({"scenario": "straggler_long", "pick": "async_ssp"}, results)
+    assert first["score"] == "tied" and first["vs_first"] is not None  # behind hier_sync, within the interval
+    assert score_advice({"scenario": "straggler_long", "pick": "hier_sync"}, results)["score"] == "best"
+    wrong = score_advice({"scenario": "straggler_long", "pick": "ddp"}, results)
+    assert wrong["score"] == "wrong" and wrong["vs_first"].low > 1.0
+    assert "not measured" in score_advice({"scenario": "straggler_long", "pick": "ddp_int8"}, results)["score"]
+    assert score_advice({"scenario": "jitter_long", "pick": "ddp"}, results)["score"].startswith("no measurement")
+    few = {"a.json": [r for r in records if r["train_seed"] < 3]}
+    assert score_advice({"scenario": "straggler_long", "pick": "ddp"}, few)["score"].startswith("not ranked")
+    path = tmp_path / "advice.json"
+    path.write_text(json.dumps({"advice": [
+        {"scenario": "straggler_long", "pick": "ddp", "runner_up": "async_ssp", "margin": 1.02, "model_error": 0.15,
+         "tie_with": "async_ssp"}]}))  # fmt: skip
+    block = advice_block(path, results)
+    assert "| `straggler_long` | `ddp` | 1.02x over `async_ssp`; +-15%; says tie with `async_ssp` |" in block
+    assert "in 0 of the 1 scenarios that could be scored" in block
+    with pytest.raises(ValueError, match="HINT"):
+        advice_block(tmp_path / "nope.json", results)
+
+
 def test_a_marker_naming_a_missing_results_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="HINT"):
         render("<!-- bench:table nope.json -->\n<!-- bench:end -->\n", {})
