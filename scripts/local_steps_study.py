@@ -54,6 +54,7 @@ from delayed_gradients import _accuracy, _batches, _lm_loss  # noqa: E402
 
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_  # noqa: E402
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer  # noqa: E402
+from lightning_syncasync.bench.evidence import bootstrap_geomean  # noqa: E402
 
 EVAL_EVERY = 5  # global steps between two evaluations (the LM benchmark's val_check_interval)
 
@@ -403,9 +404,9 @@ def study(
 
 
 def table(path: str) -> str:
-    """Per workload: each variant's global steps to the target over DDP's (median of the per-seed ratios, [min-max];
-    a seed that never reaches it counts as the budget), the seeds that reached it, and the final metric against
-    DDP's (mean over seeds)."""
+    """Per workload: each variant's global steps to the target over DDP's (median of the per-seed ratios, [min-max],
+    and their geometric mean with its 90% bootstrap interval; a seed that never reaches it counts as the budget), the
+    seeds that reached it, and the final metric against DDP's (mean over seeds)."""
     results = json.loads(Path(path).read_text())
     lines: list[str] = []
     for key, entry in results.items():
@@ -423,8 +424,8 @@ def table(path: str) -> str:
             f"{s['steps']} global steps, target {s['target']}, {s['optimizer']}; {n} seeds; DDP reached it in "
             f"{_med(ddp_steps)} steps, and {low} in {_med(ddp_low)})",
             "",
-            f"| variant | steps to target / DDP's | seeds reaching it | steps to {low} / DDP's | final metric - DDP's "
-            "(points) |",
+            f"| variant | steps to target / DDP's: median [min-max]; geometric mean [90% CI] | seeds reaching it "
+            f"| steps to {low} / DDP's | final metric - DDP's (points) |",
             "|---|---|---|---|---|",
         ]
         for vname, r in entry["runs"].items():
@@ -446,7 +447,12 @@ def table(path: str) -> str:
 def _ratio(steps: list[int | None], ddp_steps: list[int | None], budget: int) -> str:
     """Per-seed steps over DDP's (a seed that never reaches counts as the budget): median [min-max]."""
     ratios = [(a if a is not None else budget) / b for a, b in zip(steps, ddp_steps, strict=False) if b]
-    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "n/a"
+    if not ratios:
+        return "n/a"
+    # The geometric mean's bootstrap interval beside the median's [min-max] (with 5 seeds the median's 90% interval
+    # is always the whole range: bench.evidence.bootstrap_geomean).
+    geo = bootstrap_geomean(ratios)
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" + (f"; {geo}" if geo else "")
 
 
 def _med(values: list[int | None]) -> str:
