@@ -136,5 +136,20 @@ def gather_rows(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
     if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
         return [local.tolist()]
     out = torch.empty(dist.get_world_size() * local.numel(), dtype=local.dtype, device="cpu")
+    start = time.perf_counter()
     all_gather_flat(out, local, group=None)  # through the wire's device (NCCL gathers CUDA tensors only)
+    # The time this rank waited here for the others is communication, not compute: left in compute it read as the
+    # rank's own work, and StragglerEmulator, which scales its pauses by that figure, paused a rank longer after
+    # every wait at a callback's gather. Under jitter with async rounds that fed on itself until a pause outlasted
+    # the peers' 60 s timeout (auto_sync with allow_async on jitter_long: py-spy found three ranks in SyncSwitcher's
+    # gather and the fourth in a StragglerEmulator pause). AdaptiveBatchSize reads the same compute figure.
+    recorder = _existing_recorder(trainer)
+    if recorder is not None:
+        recorder.record_wait(time.perf_counter() - start)
     return out.reshape(-1, local.numel()).tolist()
+
+
+def _existing_recorder(trainer: pl.Trainer) -> StatsRecorder | None:
+    """The strategy's recorder, or the one ``stats_recorder`` attached to it, without attaching one."""
+    own = getattr(trainer.strategy, "sync_stats", None)
+    return own if isinstance(own, StatsRecorder) else _ATTACHED.get(trainer.strategy)

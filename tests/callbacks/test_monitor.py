@@ -65,6 +65,35 @@ def test_ddp_fork_reports_bytes_and_wait_per_step(tmp_path):
     assert float(next(r for r in rows if r["syncasync/bytes_intra"])["syncasync/bytes_intra"]) == PARAM_BYTES
 
 
+class _LateGather(Callback):
+    """SyncSwitcher's and AdaptiveBatchSize's pattern: every rank gathers a row at the start of a step; rank 1 comes
+    late, so rank 0 waits for it there."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_syncasync.callbacks._stats_source import gather_rows
+
+        if trainer.global_rank == 1:
+            time.sleep(0.2)
+        gather_rows(trainer, [float(batch_idx)])
+
+
+@pytest.mark.timeout(180)
+def test_a_wait_at_a_callbacks_gather_is_wait_not_compute(tmp_path):
+    summary_file = tmp_path / "summary.json"
+    trainer = Trainer(
+        accelerator="cpu", strategy="ddp_fork", devices=2, max_steps=8, enable_progress_bar=False,
+        callbacks=[SyncMonitor(summary_file=str(summary_file)), _LateGather()], logger=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(TinyModel())
+    ranks = json.loads(summary_file.read_text())["ranks"]
+    # Rank 0 waited about 0.2 s a step at the gather: its wait, not its compute (which StragglerEmulator scales its
+    # pauses by, and AdaptiveBatchSize its split). Rank 1's sleep is its own time, as an emulated pause is.
+    assert ranks[0]["wait_s_per_step"] > 0.15, ranks[0]
+    assert ranks[0]["wait_frac"] > 0.6, ranks[0]
+    assert ranks[1]["wait_frac"] < 0.5, ranks[1]
+
+
 class _CountingLogs(TinyModel):
     """Counts ``self.log`` calls per name."""
 
