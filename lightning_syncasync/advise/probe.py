@@ -66,7 +66,17 @@ def build_workload(overrides: list[str]) -> tuple[torch.nn.Module, Any, int]:
 
 
 def _optimizer(model: Any) -> torch.optim.Optimizer:
-    opt = model.configure_optimizers()
+    try:
+        opt = model.configure_optimizers()
+    except RuntimeError as err:
+        if "not attached to a `Trainer`" not in str(err):
+            raise
+        # A module whose configure_optimizers reads its Trainer (a schedule over trainer.estimated_stepping_batches,
+        # a common pattern) cannot build its optimizer in the probe, which times steps without a Trainer. An Adam
+        # step stands in: it costs what the usual optimizers cost per parameter, and only its time is measured.
+        log.warning("syncasync-advise: %s's configure_optimizers needs a Trainer (%s); timing an Adam step instead",
+                    type(model).__name__, err)  # fmt: skip
+        return torch.optim.Adam(model.parameters())
     if isinstance(opt, dict):
         opt = opt["optimizer"]
     if isinstance(opt, (list, tuple)):

@@ -359,6 +359,8 @@ class Classifier(LightningModule):
         """Length of the cosine: ``total_steps``, else the Trainer's step budget, else ``None`` (with a warning)."""
         if self.hparams.get("total_steps") is not None:
             return int(self.hparams["total_steps"])
+        if self._trainer is None:
+            return None  # outside a Trainer (syncasync-advise's probe times steps and never reaches the decay)
         estimated = self.trainer.estimated_stepping_batches
         if math.isfinite(estimated) and estimated > self.hparams.get("warmup_steps", 0):
             return int(estimated)

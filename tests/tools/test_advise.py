@@ -237,6 +237,32 @@ def test_single_process_says_so(tmp_path, monkeypatch):
     assert "recommended: ddp" in out
 
 
+@pytest.mark.timeout(90)
+def test_a_schedule_that_reads_the_trainer_does_not_stop_the_probe(tmp_path, monkeypatch):
+    # The long scenarios' workload: a cosine over the Trainer's step budget, which the probe (no Trainer) cannot
+    # read. It crashed the advisor on every long scenario until the Classifier and the probe allowed for it.
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = run_main(main, ["--seconds", "0.5", "--", "data=mnist5k", "model=convnet", "model.input_shape=[1,28,28]",
+                          "model.schedule=cosine", "model.warmup_steps=25"])  # fmt: skip
+    assert "recommended: " in out
+
+    from lightning.pytorch import LightningModule
+
+    from lightning_syncasync.advise.probe import _optimizer
+
+    class NeedsTrainer(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.trainer.max_steps)
+
+    assert isinstance(_optimizer(NeedsTrainer()), torch.optim.Adam)  # a stand-in whose step is timed
+
+
 def _bench_record(scenario, strategy, samples, strategy_cfg, ideal, batch=16):
     model = {"_target_": "lightning_syncasync.demo.classifier.Classifier", "input_shape": [1, 8, 8], "arch": "mlp",
              "hidden": 32, "depth": 1}  # fmt: skip
