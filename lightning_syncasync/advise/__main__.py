@@ -23,6 +23,8 @@ from typing import Any
 
 from lightning_syncasync.advise.report import (
     CANDIDATES,
+    MODEL_ERROR,
+    MODEL_ERROR_CALIBRATED,
     Measurements,
     Thresholds,
     calibration_record,
@@ -231,8 +233,9 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     _print_measurements(meas, notes)
     available = [s for s in _available() if args.strategies is None or s in args.strategies or s == "ddp"]
     thresholds = Thresholds(
-        allow_async=args.allow_async, local_sgd_steps=args.local_sgd_steps, powersgd_steps=args.powersgd_steps
-    )
+        allow_async=args.allow_async, local_sgd_steps=args.local_sgd_steps, powersgd_steps=args.powersgd_steps,
+        model_error=MODEL_ERROR_CALIBRATED if params else MODEL_ERROR,
+    )  # fmt: skip
     rec = recommend(meas, thresholds, available, params)
     if meas.flat_all_reduce_s:
         model_flat = ScalingModel.ring_all_reduce_s(

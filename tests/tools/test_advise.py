@@ -339,3 +339,11 @@ def test_a_pick_within_the_models_measured_error_of_its_runner_up_is_a_tie():
     assert unsure.as_dict()["tie_with"] == sure.runner_up
     with pytest.raises(ValueError, match="model_error must be >= 0"):
         Thresholds(model_error=-0.1)
+
+
+@pytest.mark.timeout(10)
+def test_auto_sync_predicted_as_its_mode_is_not_the_picks_runner_up():
+    rec = recommend(_meas(inter=12.5e6), available=[s for s in CANDIDATES if s != "ddp_powersgd"])
+    assert rec.predictions["auto_sync"].settings["mode"] == "hier"
+    # auto_sync in hier mode is modelled as hier_sync itself: naming it the runner-up made every pick a "tie".
+    assert rec.runner_up != "auto_sync" and rec.runner_up is not None
