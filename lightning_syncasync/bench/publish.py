@@ -38,6 +38,7 @@ from lightning_syncasync.bench.report import (
     learning_table,
     ranking_lines,
     scenario_table,
+    side_by_side,
     summarise,
 )
 from lightning_syncasync.bench.scenarios import lookup
@@ -117,8 +118,7 @@ def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, An
         if found is not None and found.elastic:
             row = _elastic_headline_row(by_strategy)
         else:
-            runs = {k: s["runs"] for k, s in by_strategy.items()}
-            ranking = Ranking.of(scenario, runs)
+            ranking = Ranking.of(scenario, side_by_side(records))
             first = ranking.first
             if first is None:  # nothing to rank (no reference, or no level every reference seed reaches): say why
                 if ranking.reference not in by_strategy:
@@ -217,10 +217,7 @@ def score_advice(advice: dict[str, Any], results: dict[str, list[dict[str, Any]]
         return {**out, "score": f"advisor failed: {advice['error']}"}
     if source is None:
         return {**out, "score": "no measurement of this scenario"}
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in source[2]:
-        by.setdefault(r["strategy"], []).append(r)
-    ranking = Ranking.of(scenario, by)
+    ranking = Ranking.of(scenario, side_by_side(source[2]))
     out["ranking"] = ranking
     first = ranking.first
     if first is None or ranking.verdict.startswith("not ranked"):

@@ -235,12 +235,18 @@ def ranking_lines(scenario: str, records: list[dict[str, Any]]) -> list[str]:
     """Issue 48's ranking of one scenario's records (:class:`~lightning_syncasync.bench.evidence.Ranking`): the
     contenders of the invocation that ran its reference, by median time to a target the reference's runs chose,
     with bootstrap intervals and the verdict."""
+    return Ranking.of(scenario, side_by_side(records)).table()
+
+
+def side_by_side(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``{strategy: runs}`` of one scenario's records, keeping only runs of the invocation(s) that ran its reference
+    (a ratio is of runs side by side; a contender re-run alone into the same file does not rank against them)."""
     commands = {r.get("command") for r in records if r["strategy"] in REFERENCES}
     by: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        if not commands or r.get("command") in commands:  # only runs side by side with the reference
+        if not commands or r.get("command") in commands:
             by.setdefault(r["strategy"], []).append(r)
-    return Ranking.of(scenario, by).table()
+    return by
 
 
 def _budget_samples(run: dict[str, Any]) -> float | None:
