@@ -56,39 +56,41 @@ def _grid_level(k: int) -> float:
     return round(k * GRID_STEP, 6)
 
 
+def _first_hit(run: dict[str, Any], level: float) -> int | None:
+    """The index of the run's first validation that reached ``level`` (``None``: none did)."""
+    maximise = _maximise(run)
+    history = run.get("val_history") or []
+    return next(
+        (i for i, h in enumerate(history) if h.get("value") is not None and _reaches(h["value"], level, maximise)),
+        None,
+    )
+
+
 def tta_curve(run: dict[str, Any]) -> list[tuple[float, float]]:
     """``[(level, training seconds when first reached)]`` over the grid, up to the best level the run reached."""
-    history = [h for h in run.get("val_history") or [] if h.get("value") is not None]
-    if not history:
+    values = [h["value"] for h in run.get("val_history") or [] if h.get("value") is not None]
+    if not values:
         return []
-    maximise = _maximise(run)
+    # Upwards from the grid's first level for a metric to maximise, downwards from above the worst value otherwise.
+    k, direction = (1, 1) if _maximise(run) else (int(max(values) / GRID_STEP) + 1, -1)
     out: list[tuple[float, float]] = []
-    if maximise:
-        k = 1
-        while True:
-            level = _grid_level(k)
-            hit = next((h for h in history if _reaches(h["value"], level, True)), None)
-            if hit is None:
-                return out
-            out.append((level, float(hit.get("train_s", hit["elapsed_s"]))))
-            k += 1
-    k = int(max(h["value"] for h in history) / GRID_STEP) + 1
     while k > 0:
         level = _grid_level(k)
-        hit = next((h for h in history if _reaches(h["value"], level, False)), None)
-        if hit is None:
-            return out
-        out.append((level, float(hit.get("train_s", hit["elapsed_s"]))))
-        k -= 1
+        seconds = time_to(run, level)
+        if seconds is None:
+            break
+        out.append((level, seconds))
+        k += direction
     return out
 
 
 def time_to(run: dict[str, Any], level: float) -> float | None:
     """Training seconds until the run's validation first reached ``level`` (``None``: never)."""
-    maximise = _maximise(run)
-    history = run.get("val_history") or []
-    hit = next((h for h in history if h.get("value") is not None and _reaches(h["value"], level, maximise)), None)
-    return None if hit is None else float(hit.get("train_s", hit["elapsed_s"]))
+    hit = _first_hit(run, level)
+    if hit is None:
+        return None
+    h = run["val_history"][hit]
+    return float(h.get("train_s", h["elapsed_s"]))
 
 
 def budget_time(run: dict[str, Any]) -> float | None:
@@ -101,14 +103,10 @@ def budget_share(run: dict[str, Any], level: float) -> float | None:
     """The share of the budget's samples trained when ``level`` was first reached (``None``: never). At epoch-end
     validations every contender has trained the same whole epochs by then, whatever its ranks' step counts; at
     step-interval validations the ranks step together and the share is the step's."""
-    history = run.get("val_history") or []
-    maximise = _maximise(run)
-    hit = next(
-        (i for i, h in enumerate(history) if h.get("value") is not None and _reaches(h["value"], level, maximise)),
-        None,
-    )
+    hit = _first_hit(run, level)
     if hit is None:
         return None
+    history = run["val_history"]
     if ((run.get("config") or {}).get("trainer") or {}).get("val_check_interval") is None:
         return (hit + 1) / len(history)
     steps = run.get("steps")
@@ -169,11 +167,14 @@ def bootstrap_ratio(
             num = statistics.median(rng.choice(nums) for _ in nums)
             den = statistics.median(rng.choice(dens) for _ in dens)
         ratios.append(num / den)
-    ratios.sort()
+    return Interval(value, *_percentile_interval(ratios))
+
+
+def _percentile_interval(resampled: list[float]) -> tuple[float, float]:
+    """The ``CONFIDENCE`` percentile interval of a bootstrap's resampled statistics."""
+    ordered = sorted(resampled)
     tail = (1 - CONFIDENCE) / 2
-    low = ratios[int(tail * (resamples - 1))]
-    high = ratios[int(round((1 - tail) * (resamples - 1)))]
-    return Interval(value, low, high)
+    return ordered[int(tail * (len(ordered) - 1))], ordered[int(round((1 - tail) * (len(ordered) - 1)))]
 
 
 def geometric_mean(values: list[float]) -> float:
@@ -190,11 +191,8 @@ def bootstrap_geomean(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES)
     if len(values) < 2 or any(v <= 0 for v in values):
         return None
     rng = random.Random(0)
-    means = sorted(geometric_mean([rng.choice(values) for _ in values]) for _ in range(resamples))
-    tail = (1 - CONFIDENCE) / 2
-    return Interval(
-        geometric_mean(values), means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]
-    )
+    means = [geometric_mean([rng.choice(values) for _ in values]) for _ in range(resamples)]
+    return Interval(geometric_mean(values), *_percentile_interval(means))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync._cores import usable_cores
-from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_geomean
+from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_geomean, budget_share
 from lightning_syncasync.bench.runner import median_or_none
 from lightning_syncasync.bench.scenarios import lookup
 
@@ -168,17 +168,9 @@ def samples_to_target(run: dict[str, Any]) -> float | None:
     samples are that share of the budget. Where it runs every so many steps, the ranks step together (DDP,
     ``hier_sync``): the step times the global batch.
     """
-    history, target, budget = run.get("val_history") or [], run.get("target"), _budget_samples(run)
-    if target is None or not history or budget is None:
-        return None
-    sc = lookup(run["scenario"])
-    better = (lambda v: v <= target) if sc is not None and sc.mode == "min" else (lambda v: v >= target)
-    hit = next((i for i, h in enumerate(history) if h.get("value") is not None and better(h["value"])), None)
-    if hit is None:
-        return None
-    if ((run.get("config") or {}).get("trainer") or {}).get("val_check_interval") is None:
-        return (hit + 1) / len(history) * budget  # at epoch ends: the share of the budget's epochs
-    return float(history[hit]["step"] * budget / run["steps"])  # the step times the global batch
+    target, budget = run.get("target"), _budget_samples(run)
+    share = None if target is None or budget is None else budget_share(run, target)
+    return None if share is None else share * budget
 
 
 def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
