@@ -19,7 +19,9 @@ Three pieces make that safe for any LightningModule:
 * **One decision.** Every ``interval`` batches, each rank's compute throughput since the last decision (samples per
   second of compute, communication waits excluded, from the same ``StatsRecorder`` that ``SyncMonitor`` closes) is
   gathered; rank 0 decides (with hysteresis and bounds) and broadcasts; all ranks schedule the new split from the same
-  sampler step, past anything their loaders have prefetched.
+  sampler step, past anything their loaders have prefetched. Under a strategy that trains asynchronously
+  (``async_ssp``, ``auto_sync`` in async mode) the gather runs in the background and is read a window later, where
+  every rank takes the same decision from the same numbers: no collective that every rank waits at.
 
 With ``hier_sync`` each node keeps an equal share of ``B`` (node models are averaged uniformly, so only then is the
 update unbiased); ranks are rebalanced inside their node. Decisions go to ``SyncMonitor``'s summary (``events``),
@@ -49,7 +51,7 @@ from lightning_syncasync.algorithms.batching.noise_scale import GradientNoiseSca
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
-from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
+from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, stats_recorder, trains_asynchronously
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
@@ -180,6 +182,8 @@ class AdaptiveBatchSize(Callback):
         self._samples = 0.0
         self._compute_s = 0.0
         self._throughput: list[float] | None = None
+        self._pending: PendingRows | None = None  # the window gathered in the background (asynchronous strategies)
+        self._prefetch_bound = 2
 
     @property
     def current_sizes(self) -> list[int] | None:
@@ -274,6 +278,10 @@ class AdaptiveBatchSize(Callback):
                 f"{type(loader).__name__} are not carried over"
             )
         kwargs = {"batch_sampler": self.sampler, **loader_kwargs(loader)}
+        # How far ahead of the step in training this rank's sampler can run: the loader's workers' prefetch, the
+        # batch Lightning's fetcher holds back to spot the last one, and one in hand.
+        workers = int(kwargs.get("num_workers") or 0)
+        self._prefetch_bound = workers * int(kwargs.get("prefetch_factor") or 2) + 2
         rank_zero_info(
             f"AdaptiveBatchSize: global batch {global_batch} split {sizes} over {world} ranks"
             + (f" (per node {global_batch // len(groups)})" if groups else "")
@@ -310,6 +318,7 @@ class AdaptiveBatchSize(Callback):
         self._last_seen = None
         self._samples = self._compute_s = 0.0
         self._throughput = None
+        self._pending = None
 
     def _check_grow_batch(self, trainer: pl.Trainer) -> None:
         # The noise-scale estimator pairs this rank's gradient with the average over *all* ranks of the same step:
@@ -399,16 +408,16 @@ class AdaptiveBatchSize(Callback):
         window = [probe.grad_sq_sum, probe.trace_sum, float(probe.count)] if probe is not None else [0.0, 0.0, 0.0]
         if probe is not None:
             probe.reset_window()
-        rows = gather_rows(trainer, [self._samples, self._compute_s, float(self.sampler.produced), *window])
+        values = [self._samples, self._compute_s, float(self.sampler.produced), *window]
         self._samples = self._compute_s = 0.0
-        measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in rows]
-        previous = self._throughput
-        if previous is None or any(p <= 0 for p in previous) or any(m <= 0 for m in measured):
-            throughput = measured
-        else:
-            a = self.smoothing
-            throughput = [a * p + (1 - a) * m for p, m in zip(previous, measured, strict=True)]
-        self._throughput = throughput
+        # Every gather launched is read, in launch order, whatever the strategy does now.
+        pending, self._pending = self._pending, None
+        earlier = pending.rows() if pending is not None else None
+        if probe is None and trains_asynchronously(trainer):
+            self._rebalance_async(trainer, values, earlier)
+            return
+        rows = gather_rows(trainer, values)
+        throughput = self._smoothed([r[0] / r[1] if r[1] > 0 else 0.0 for r in rows])
         current = self.sampler.sizes
         decision: list[int] | None = None
         grown = False
@@ -432,7 +441,51 @@ class AdaptiveBatchSize(Callback):
         if grown and not trainer.is_global_zero:
             self.balancer = self._balancer_for(sum(decision))
         # Past every rank's prefetched batches, so all ranks switch at the same global step.
-        start = self.sampler.set_sizes(decision, from_step=int(max(r[2] for r in rows)), resize=grown)
+        self._schedule(trainer, current, decision, throughput, int(max(r[2] for r in rows)), grown, gain)
+
+    def _rebalance_async(self, trainer: pl.Trainer, values: list[float], earlier: list[list[float]] | None) -> None:
+        """A rebalancing window under a strategy that trains asynchronously: no collective any rank waits at.
+
+        This window's numbers are gathered in the background (``PendingRows``: a gather every rank waited at was the
+        only thing holding async ranks together) and the previous window's are read now. Every rank decides from
+        those same rows by the same pure arithmetic (``BatchBalancer.decide``, float64 in Python), so no broadcast
+        of rank 0's decision is needed; the noise-scale probe, which needs one, keeps the blocking path. The new
+        split starts past every rank's horizon, sent with its row: its sampler's position a window later plus
+        everything its loader can have prefetched by then.
+        """
+        assert self.sampler is not None and self.balancer is not None
+        horizon = float(self.sampler.produced + self.interval + self._prefetch_bound)
+        self._pending = PendingRows(trainer, [*values, horizon])
+        if earlier is None:
+            return  # the first window without a gather to wait at: decide at the next one
+        throughput = self._smoothed([r[0] / r[1] if r[1] > 0 else 0.0 for r in earlier])
+        current = self.sampler.sizes
+        decision = self.balancer.decide(current, throughput)
+        if decision is not None:
+            self._schedule(trainer, current, decision, throughput, int(max(r[-1] for r in earlier)), False)
+
+    def _smoothed(self, measured: list[float]) -> list[float]:
+        previous = self._throughput
+        if previous is None or any(p <= 0 for p in previous) or any(m <= 0 for m in measured):
+            throughput = measured
+        else:
+            a = self.smoothing
+            throughput = [a * p + (1 - a) * m for p, m in zip(previous, measured, strict=True)]
+        self._throughput = throughput
+        return throughput
+
+    def _schedule(
+        self,
+        trainer: pl.Trainer,
+        current: list[int],
+        decision: list[int],
+        throughput: list[float],
+        from_step: int,
+        grown: bool,
+        gain: float = 1.0,
+    ) -> None:
+        assert self.sampler is not None
+        start = self.sampler.set_sizes(decision, from_step=from_step, resize=grown)
         event = {
             "batch": self._batches,
             "from_sampler_step": start,
@@ -506,6 +559,18 @@ class AdaptiveBatchSize(Callback):
         if self.balancer is None or self.base_batch is None or not self.grow_batch:
             return 1.0
         return self.noise.gain(self.base_batch, self.balancer.global_batch)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The last window gathered in the background: read, so that no rank leaves a collective behind on the
+        # default group (every rank launched it at the same batch). It comes too late for a decision.
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.rows()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._pending = None  # a failing run must not wait for a rank that may be gone
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -4,8 +4,10 @@ After ``first_window`` steps, then every ``window`` steps, each rank summarises 
 and its variation, communication share, samples, loss, divergence) from the ``StatsRecorder`` that
 :class:`SyncMonitor` fills; the numbers are all-gathered as one float tensor (no pickled objects), and every rank
 runs the same :class:`~lightning_syncasync.algorithms.switch_policy.SwitchPolicy` on the same numbers, so every rank
-reaches the same decision at the same step without a broadcast. A switch happens at that step boundary (before the
-next step's batch is used), through the strategy's ``switch_mode``: the callback works through
+reaches the same decision at the same step without a broadcast. In async mode nothing else makes the ranks meet, so
+the gather is not waited for at once: each window's numbers travel in the background and the decision at the next
+window reads them (a decision one window late, and no barrier every ``window`` steps). A switch happens at that step
+boundary (before the next step's batch is used), through the strategy's ``switch_mode``: the callback works through
 :class:`~lightning_syncasync.algorithms.switch_policy.SwitchesModes`, which ``AutoSyncStrategy`` implements, and does
 not import the strategy that adds it.
 
@@ -39,7 +41,7 @@ from lightning_syncasync.algorithms.switch_policy import (
     SwitchPolicy,
     WindowStats,
 )
-from lightning_syncasync.callbacks._stats_source import gather_rows
+from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, trains_asynchronously
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
@@ -109,6 +111,7 @@ class SyncSwitcher(Callback):
         self._decided_at = -1
         self._good: dict[str, Any] | None = None
         self._policy_state: dict[str, Any] | None = None
+        self._pending: tuple[int, PendingRows] | None = None  # (the step it was launched at, the gather)
 
     # -- set-up --------------------------------------------------------------------------------------------------
 
@@ -142,6 +145,7 @@ class SyncSwitcher(Callback):
             self._policy_state = None
         self._losses = []
         self._good = None
+        self._pending = None
 
     # -- per step ------------------------------------------------------------------------------------------------
 
@@ -170,11 +174,26 @@ class SyncSwitcher(Callback):
         self._decided_at = step
         strategy = trainer.strategy
         assert isinstance(strategy, SwitchesModes)
-        window = self._gather(trainer, strategy, step, span)
+        local = self._window_values(strategy, span)
+        # Every gather launched is read, in launch order, whatever the mode is now.
+        pending, self._pending = self._pending, None
+        earlier = (pending[0], pending[1].rows()) if pending is not None else None
+        if trains_asynchronously(trainer):
+            # No gather that every rank waits at: this window's numbers travel while the ranks train on, and the
+            # decision taken now reads the previous window's (PendingRows says why). The first window in async mode
+            # has none to read: no decision until the next one.
+            self._pending = (step, PendingRows(trainer, local))
+            if earlier is None:
+                return
+            window = _window_stats(earlier[1], earlier[0])
+        else:
+            window = _window_stats(gather_rows(trainer, local), step)
         mode = strategy.mode
         decision = self.policy.decide(window, mode)
         record: dict[str, Any] = {"step": step, "mode": mode, "next": decision.mode, "reason": decision.reason,
                                   "signals": window.describe()}  # fmt: skip
+        if window.step != step:
+            record["window_step"] = window.step
         if decision.rollback:
             self._restore(trainer, pl_module, strategy, step, record)
         elif decision.mode != mode:
@@ -191,7 +210,8 @@ class SyncSwitcher(Callback):
         if self.rollback and consistent and not decision.rollback and not window.nonfinite:
             self._keep_good(trainer, pl_module)
 
-    def _gather(self, trainer: pl.Trainer, strategy: SwitchesModes, step: int, span: int) -> WindowStats:
+    def _window_values(self, strategy: SwitchesModes, span: int) -> list[float]:
+        """This rank's summary of its last ``span`` steps, as the row every rank gathers."""
         # The first step of a fit carries one-off costs (DDP's bucket rebuild, allocator warm-up): left out.
         steps = [s for s in list(strategy.sync_stats.history)[-span:] if s.step > 1]
         per_sample = [s.compute_s / s.samples for s in steps if s.samples > 0]
@@ -205,21 +225,21 @@ class SyncSwitcher(Callback):
         nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None
         strategy.diverged = None
         # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite
-        local = [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
-                 float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
-                 1.0 if nonfinite else 0.0]  # fmt: skip
-        rows = gather_rows(trainer, local)
-        walls = [r[4] for r in rows]
-        loss_values = [r[5] for r in rows if r[5] == r[5]]
-        return WindowStats(
-            step=step,
-            compute_per_sample=[r[0] for r in rows],
-            compute_cv=[r[1] for r in rows],
-            wait_frac=[r[2] for r in rows],
-            samples_per_s=sum(r[3] for r in rows) / max(walls) if max(walls) > 0 else 0.0,
-            loss=sum(loss_values) / len(loss_values) if loss_values else math.nan,
-            nonfinite=any(r[6] > 0 for r in rows),
-        )
+        return [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
+                float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
+                1.0 if nonfinite else 0.0]  # fmt: skip
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The last window launched in async mode: read, so that no rank leaves a collective behind on the default
+        # group (every rank launched it at the same step). Its numbers come too late for a decision.
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].rows()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._pending = None  # a failing run must not wait for a rank that may be gone
 
     # -- rollback ------------------------------------------------------------------------------------------------
 
@@ -269,6 +289,21 @@ class SyncSwitcher(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._policy_state = state_dict.get("policy")
         self.decisions = list(state_dict.get("decisions", []))
+
+
+def _window_stats(rows: list[list[float]], step: int) -> WindowStats:
+    """Every rank's ``_window_values`` row, as the policy reads them."""
+    walls = [r[4] for r in rows]
+    loss_values = [r[5] for r in rows if r[5] == r[5]]
+    return WindowStats(
+        step=step,
+        compute_per_sample=[r[0] for r in rows],
+        compute_cv=[r[1] for r in rows],
+        wait_frac=[r[2] for r in rows],
+        samples_per_s=sum(r[3] for r in rows) / max(walls) if max(walls) > 0 else 0.0,
+        loss=sum(loss_values) / len(loss_values) if loss_values else math.nan,
+        nonfinite=any(r[6] > 0 for r in rows),
+    )
 
 
 def _state_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _models import IterableDataModel, LinearLossModel, TinyLoggingModel, TinyModel  # noqa: E402 (tests/ is on sys.path)
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -114,6 +114,36 @@ def test_a_slow_rank_gets_a_smaller_batch_and_the_decision_is_logged_and_checkpo
     with open(tmp_path / "csv" / "version_1" / "metrics.csv") as f:
         logged = [float(r["syncasync/batch_size"]) for r in csv.DictReader(f) if r.get("syncasync/batch_size")]
     assert logged and set(logged) == {final[0]}, logged
+
+
+class _Decisions(Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        adaptive = next(c for c in trainer.callbacks if isinstance(c, AdaptiveBatchSize))
+        (Path(self.out) / f"decisions{trainer.global_rank}.json").write_text(json.dumps(adaptive.decisions))
+
+
+@pytest.mark.timeout(240)
+def test_under_async_ssp_every_rank_takes_the_same_decision_from_a_gather_read_a_window_later(tmp_path):
+    # async_ssp's ranks meet only at its rounds: AdaptiveBatchSize's gather must not be a barrier every interval.
+    # It runs in the background and every rank decides from the previous window's rows, with no broadcast.
+    from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
+
+    strategy = AsyncSSPStrategy(local_steps=2, staleness=1, dynamic_local_steps=False, claim_batches=False,
+                                start_method="fork")  # fmt: skip
+    adaptive = AdaptiveBatchSize(interval=4, warmup_steps=2)
+    trainer = _trainer(tmp_path, strategy=strategy, devices=2, max_steps=32,
+                       callbacks=[SyncMonitor(print_summary=False), adaptive, _Decisions(str(tmp_path))])  # fmt: skip
+    trainer.fit(TinyLoggingModel(slow_rank=1, delay=0.03))
+    ranks = [json.loads((tmp_path / f"decisions{r}.json").read_text()) for r in range(2)]
+    assert ranks[0], "no rebalancing decision"
+    assert ranks[1] == ranks[0]  # the same splits from the same sampler steps, decided on each rank
+    final = ranks[0][-1]["sizes"]
+    assert sum(final) == 32 and final[1] < final[0], ranks[0]
+    # The first window's gather is read at the second: no decision before batch 8.
+    assert ranks[0][0]["batch"] >= 8, ranks[0]
 
 
 def test_iterable_dataset_is_refused_with_a_clear_error(tmp_path):

@@ -94,6 +94,47 @@ def test_a_wait_at_a_callbacks_gather_is_wait_not_compute(tmp_path):
     assert ranks[1]["wait_frac"] < 0.5, ranks[1]
 
 
+class _BackgroundGather(Callback):
+    """PendingRows' pattern: a row launched at one step and read at the next; rank 1 launches 1 s late at step 2."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.pending, self.seen = out, None, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_syncasync.callbacks._stats_source import PendingRows, trains_asynchronously
+
+        step = trainer.global_step
+        if self.pending is not None:
+            self.seen["rows"] = self.pending.rows()
+            self.pending = None
+        if step == 2:
+            if trainer.global_rank == 1:
+                time.sleep(1.0)
+            start = time.perf_counter()
+            self.pending = PendingRows(trainer, [float(trainer.global_rank), float(step)])
+            self.seen["launch_s"] = time.perf_counter() - start
+            self.seen["asynchronous"] = trains_asynchronously(trainer)
+
+    def on_fit_end(self, trainer, pl_module):
+        (Path(self.out) / f"seen{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.timeout(180)
+def test_a_gather_launched_in_the_background_returns_at_once_and_is_read_later(tmp_path):
+    trainer = Trainer(
+        accelerator="cpu", strategy="ddp_fork", devices=2, max_steps=5, enable_progress_bar=False,
+        callbacks=[SyncMonitor(print_summary=False), _BackgroundGather(str(tmp_path))], logger=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(TinyModel())
+    seen = [json.loads((tmp_path / f"seen{r}.json").read_text()) for r in range(2)]
+    # Rank 0 launched while rank 1 was still asleep for 1 s: the launch did not wait for it.
+    assert seen[0]["launch_s"] < 0.5, seen
+    for s in seen:
+        assert s["rows"] == [[0.0, 2.0], [1.0, 2.0]], s
+        assert s["asynchronous"] is False  # DDP's recorder is in sync mode: the callbacks keep their blocking gather
+
+
 class _CountingLogs(TinyModel):
     """Counts ``self.log`` calls per name."""
 

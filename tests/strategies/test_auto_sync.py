@@ -257,3 +257,10 @@ def test_async_rounds_and_the_switchers_window_collective_do_not_deadlock(tmp_pa
     want = torch.full((16,), -ConstantGradModel.lr * steps * 1.5)  # every update applied once, whatever the modes
     for r in ranks:
         torch.testing.assert_close(r["final"], want, rtol=0, atol=1e-6)
+    # In async mode the window gather is not a barrier: it travels in the background and each decision reads the
+    # window before (PendingRows), the same numbers on every rank, so the same decisions at the same steps.
+    in_async = [d for d in ranks[0]["decisions"] if d["mode"] == "async"]
+    assert in_async and all(d["window_step"] == d["step"] - 3 for d in in_async), ranks[0]["decisions"]
+    assert all("window_step" not in d for d in ranks[0]["decisions"] if d["mode"] == "sync")
+    for r in ranks:
+        assert r["decisions"] == ranks[0]["decisions"]
