@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="consider async_ssp (off by default: on the benchmark it learned less per sample than sync)",
     )
     p.add_argument(
+        "--no-later-stragglers",
+        action="store_true",
+        help="keep DDP where the flow finds nothing to fix (default: auto_sync in sync mode, which is DDP until a "
+        "straggler arrives after the probe)",
+    )
+    p.add_argument(
         "--local-sgd-steps",
         type=_at_least_one("--local-sgd-steps"),
         default=Thresholds.local_sgd_steps,
@@ -234,7 +240,7 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     available = [s for s in _available() if args.strategies is None or s in args.strategies or s == "ddp"]
     thresholds = Thresholds(
         allow_async=args.allow_async, local_sgd_steps=args.local_sgd_steps, powersgd_steps=args.powersgd_steps,
-        model_error=MODEL_ERROR_CALIBRATED if params else MODEL_ERROR,
+        model_error=MODEL_ERROR_CALIBRATED if params else MODEL_ERROR, later_stragglers=not args.no_later_stragglers,
     )  # fmt: skip
     rec = recommend(meas, thresholds, available, params)
     if meas.flat_all_reduce_s:

@@ -112,6 +112,12 @@ class Measurements:
 # (default), hier_sync -31.5% and hier_sync_sharded_int8 +28.3% (held out).
 MODEL_ERROR = 0.248
 MODEL_ERROR_CALIBRATED = 0.177
+# Why the flow's "keep DDP" becomes auto_sync (Thresholds.later_stragglers), measured with 5 seeds each, ranked to the
+# rule target by `syncasync-bench` (docs/benchmarks.md): DDP's time to it over auto_sync's.
+LATER_STRAGGLERS_EVIDENCE = (
+    "DDP's time to target over auto_sync's, 5 seeds: 1.26x [0.91-1.93] with no straggler (homogeneous_long), 1.32x "
+    "[1.01-2.63] with one for the middle third (mid_run_straggler_long)"
+)
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,11 @@ class Thresholds:
     """Where the decision flow branches.
 
     Args:
-        straggler_ratio: slowest/median step at or above which ranks are called persistently heterogeneous (this
-            VM's equal ranks differ by up to ~20%, hence 1.25).
+        straggler_ratio: slowest/median step at or above which ranks are called persistently heterogeneous. Probes
+            inside the emulated scenarios read 1.02-1.04 for equal ranks (slow_link, jitter_long, homogeneous_long,
+            slow_link_sharded) and 1.19-1.30 for one slow rank or node (straggler_long, hetero_slow_link; truly
+            1.23-1.25x slower by the per-rank rates of their no-communication runs), hence 1.10. It only lets the
+            rebalancing and async candidates in: the cost model still ranks them against DDP.
         straggler_cv: a slow rank whose own step times vary less than this (coefficient of variation) is slow
             all the time (persistent), not pausing now and then.
         jitter_p: pause probability per rank and step at or above which transient stragglers matter.
@@ -146,6 +155,9 @@ class Thresholds:
             default parameters; ``syncasync-advise --params`` uses ``MODEL_ERROR_CALIBRATED``). A pick predicted to
             reach a target less than ``1 + model_error`` times as fast as its runner-up is a tie, not a winner: the
             advisor says so and names both.
+        later_stragglers: where the flow keeps DDP, recommend ``auto_sync`` in sync mode instead: the probe cannot
+            see a straggler that arrives after it, and auto_sync is DDP until one does (``LATER_STRAGGLERS_EVIDENCE``
+            has the measurements). ``False`` keeps DDP.
 
     Example::
 
@@ -155,7 +167,7 @@ class Thresholds:
         print(rec.strategy, rec.settings)
     """
 
-    straggler_ratio: float = 1.25
+    straggler_ratio: float = 1.10
     straggler_cv: float = 0.25
     jitter_p: float = 0.02
     comm_fraction: float = 0.2
@@ -166,6 +178,7 @@ class Thresholds:
     local_sgd_steps: float = 1.2
     powersgd_steps: float = 1.4
     model_error: float = MODEL_ERROR
+    later_stragglers: bool = True
 
     def __post_init__(self) -> None:
         if self.straggler_ratio < 1:
@@ -350,11 +363,27 @@ def recommend(
             f"(< {1 + th.min_gain:.2f}x): keep DDP"
         )
         best = "ddp"
+    # (One rank has no other to fall behind.)
+    later = best == "ddp" and th.later_stragglers and "auto_sync" in available and m.world_size > 1
+    if later:
+        # What a probe of a few seconds cannot see: a straggler that arrives later (a noisy neighbour, a node that
+        # throttles). auto_sync trains as DDP does until its switcher sees one, then rebalances the batches.
+        flow.append(
+            "|- later stragglers? a probe of a few seconds cannot see one that arrives after it; auto_sync trains as "
+            f"DDP (sync mode) until its switcher sees one and rebalances then ({LATER_STRAGGLERS_EVIDENCE}) -> "
+            "auto_sync in sync mode, the same as DDP where nothing changes (--no-later-stragglers: keep DDP)"
+        )
+        best = "auto_sync"
+        settings["auto_sync"] = {**settings["auto_sync"], "mode": "sync"}
+        preds["auto_sync"] = preds["ddp"]
+        useful["auto_sync"] = useful["ddp"]
     gain = useful[best] / ddp.samples_per_s
     # Confidence: the pick's predicted rate to the target against the runner-up's, next to the model's measured
     # error. Within it, the prediction cannot tell them apart, and the flow says "tie" rather than name a winner.
     # auto_sync is modelled as the mode it settles in: predicted the same as the pick, it is the pick, not a rival.
     rivals = [s for s in usable if s != best and not (s == "auto_sync" and useful[s] == useful[best])]
+    if later:
+        rivals = ["ddp"]  # it is DDP until a straggler comes: no prediction can tell them apart before that
     runner = max(rivals, key=lambda s: useful[s], default=None)
     margin = useful[best] / useful[runner] if runner is not None else None
     tie = runner if margin is not None and margin < 1 + th.model_error else None

@@ -20,8 +20,9 @@ Signals, each computed from every rank's window of steps (so every rank computes
 * jitter: the median over ranks of the coefficient of variation of per-step compute time per sample. Transient
   pauses make every rank's own step times vary while their means stay equal; a synchronous step waits for the
   worst rank of each step, an SSP step absorbs up to ``staleness`` steps of it -> ``async``.
-* divergence: a non-finite loss on any rank, or a window loss above ``spike_factor`` times the best of the recent
-  healthy windows (a rise of ``spike_factor - 1`` times its size, so a negative loss works too) -> back to
+* divergence: a non-finite loss on any rank, or a window loss of ``hier`` or ``async`` above ``spike_factor`` times
+  the median of the recent healthy windows (a rise of ``spike_factor - 1`` times its size, so a negative loss works
+  too) -> back to
   ``sync``, restore the last good state, and keep the mode that diverged off for
   ``cooldown_windows`` windows.
 
@@ -126,7 +127,8 @@ class SwitchPolicy:
         straggler_high, straggler_low: straggler ratio to enter / to stay in the straggler regime.
         jitter_high, jitter_low: jitter to enter / to stay in the jitter regime (``async``).
         rebalance: batch rebalancing (``AdaptiveBatchSize``) is running: a persistent straggler stays ``sync``.
-        spike_factor: a window loss above this times the best recent healthy window is divergence (> 1).
+        spike_factor: a window loss of ``hier`` or ``async`` above this times the median of the recent healthy
+            windows is divergence (> 1).
         cooldown_windows: windows a mode that diverged stays off.
 
     Example::
@@ -199,21 +201,28 @@ class SwitchPolicy:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.windows_in_mode += 1
         self.banned = {m: n - 1 for m, n in self.banned.items() if n > 1}
-        best = min(self.recent_losses) if self.recent_losses else None
-        # A rise of (spike_factor - 1) times the best's size above it: spike_factor x best for a positive loss, and
-        # still a rise for a negative one (a log-likelihood), where `loss > spike_factor * best` held for every
+        # The median of the recent healthy windows, not their best: late in training a window's mean loss is small
+        # and noisy, and against the best one a noisy window read as a spike (jitter_long, auto_sync in async mode:
+        # 0.061 > 2 x 0.029).
+        base = median(self.recent_losses) if self.recent_losses else None
+        # A rise of (spike_factor - 1) times the base's size above it: spike_factor x base for a positive loss, and
+        # still a rise for a negative one (a log-likelihood), where `loss > spike_factor * base` held for every
         # loss that kept falling below zero (-31 > 2 x -18.5), rolled back every window and lost the updates.
-        limit = None if best is None else best + (self.spike_factor - 1) * abs(best)
-        spiked = limit is not None and window.loss == window.loss and window.loss > limit
+        limit = None if base is None else base + (self.spike_factor - 1) * abs(base)
+        # A spike is what staleness or drift can cause: only a window of hier or async is rolled back for one. A
+        # synchronous window is DDP's own trajectory (rolling it back replays it), and after a rollback the
+        # restored state's loss, above the limit of the windows before it, rolled back window after window.
+        spiked = mode != "sync" and limit is not None and window.loss == window.loss and window.loss > limit
         if window.nonfinite or spiked:
             what = (
                 "a non-finite loss"
                 if window.nonfinite
-                else f"loss {window.loss:.4g} > {limit:.4g} ({self.spike_factor:g} x the best recent {best:.4g})"
+                else f"loss {window.loss:.4g} > {limit:.4g} ({self.spike_factor:g} x the median recent {base:.4g})"
             )
             if mode != "sync" and self.cooldown_windows:
                 self.banned[mode] = self.cooldown_windows
             self.windows_in_mode = 0
+            self.recent_losses = []  # the restored state's windows are the new reference
             return Decision("sync", f"divergence ({what}) in {mode}: restore the last good state, synchronous", True)
         if window.loss == window.loss:  # not NaN: a window with a loss
             self.recent_losses = [*self.recent_losses, window.loss][-5:]
