@@ -127,7 +127,7 @@ class Thresholds:
     Args:
         straggler_ratio: slowest/median step at or above which ranks are called persistently heterogeneous. Probes
             inside the emulated scenarios (docs/results/advice.json and its predecessor) read 1.00-1.04 for equal
-            ranks in 8 probes and 1.13 in one (homogeneous_long), and 1.19-1.30 in 5 probes of one slow rank or
+            ranks in 7 probes and 1.13 in one (homogeneous_long), and 1.19-1.30 in 5 probes of one slow rank or
             node (straggler_long, hetero_slow_link; truly 1.23-1.25x slower by the per-rank rates of their
             no-communication runs). 1.10 was set before the 1.13 reading: it sits in the probe's noise. It only
             lets the rebalancing and async candidates in; the cost model still ranks them against DDP.

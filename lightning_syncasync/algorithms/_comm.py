@@ -124,9 +124,18 @@ def broadcast_(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None =
 
 def all_gather_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """All-gather ``tensor`` from every rank of ``group`` into the flat ``out`` (rank order)."""
+    _staged(lambda o, t: _all_gather_single()(o, t, group=group), [out], [tensor], group)
+
+
+def start_all_gather_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    """:func:`all_gather_flat` launched (``async_op``): its ``Work``, to ``wait()`` on later. Both tensors must be on
+    the wire's device already (:func:`wire_device`): nothing is copied back."""
+    return _all_gather_single()(out, tensor, group=group, async_op=True)
+
+
+def _all_gather_single() -> Callable[..., Any]:
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has only it.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _staged(lambda o, t: gather(o, t, group=group), [out], [tensor], group)
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def reduce_scatter_flat(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:

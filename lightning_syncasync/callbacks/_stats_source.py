@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_syncasync.algorithms._comm import all_gather_flat, wire_device
+from lightning_syncasync.algorithms._comm import start_all_gather_flat, wire_device
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
@@ -125,28 +125,15 @@ def _time_checkpoint(trainer: pl.Trainer, recorder: StatsRecorder) -> None:
 
 
 def gather_rows(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
-    """Every rank's ``values`` (the same length everywhere), in rank order, on every rank.
+    """Every rank's ``values`` (the same length everywhere), in rank order, on every rank: a :class:`PendingRows`
+    read at once.
 
     Straight through ``torch.distributed`` on the default group (the group Lightning's ``strategy.all_gather`` uses):
     Lightning's version goes through ``torch.distributed.nn.functional.all_gather``, which warns about its own
     deprecation on every call, and three callbacks gathering every window flooded the log with it. float64, so
     counters of samples and bytes stay exact.
     """
-    local = torch.tensor(values, dtype=torch.float64, device="cpu")
-    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-        return [local.tolist()]
-    out = torch.empty(dist.get_world_size() * local.numel(), dtype=local.dtype, device="cpu")
-    start = time.perf_counter()
-    all_gather_flat(out, local, group=None)  # through the wire's device (NCCL gathers CUDA tensors only)
-    # The time this rank waited here for the others is communication, not compute: left in compute it read as the
-    # rank's own work, and StragglerEmulator, which scales its pauses by that figure, paused a rank longer after
-    # every wait at a callback's gather. Under jitter with async rounds that fed on itself until a pause outlasted
-    # the peers' 60 s timeout (auto_sync with allow_async on jitter_long: py-spy found three ranks in SyncSwitcher's
-    # gather and the fourth in a StragglerEmulator pause). AdaptiveBatchSize reads the same compute figure.
-    recorder = _existing_recorder(trainer)
-    if recorder is not None:
-        recorder.record_wait(time.perf_counter() - start)
-    return out.reshape(-1, local.numel()).tolist()
+    return PendingRows(trainer, values).rows()
 
 
 class PendingRows:
@@ -173,8 +160,7 @@ class PendingRows:
         device = wire_device(self._local, None)
         self._sent = self._local.to(device)
         self._out = torch.empty(dist.get_world_size() * self._local.numel(), dtype=self._local.dtype, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._work = gather(self._out, self._sent, group=None, async_op=True)
+        self._work = start_all_gather_flat(self._out, self._sent, group=None)
 
     def rows(self) -> list[list[float]]:
         """Every rank's values, in rank order; waits for the ranks that have not launched this gather yet."""
@@ -182,9 +168,15 @@ class PendingRows:
             start = time.perf_counter()
             self._work.wait()
             rows = self._out.cpu().reshape(-1, self._local.numel()).tolist()
+            # The time this rank waited here for the others is communication, not compute: left in compute it read
+            # as the rank's own work, and StragglerEmulator, which scales its pauses by that figure, paused a rank
+            # longer after every wait at a callback's gather. Under jitter with async rounds that fed on itself
+            # until a pause outlasted the peers' 60 s timeout (auto_sync with allow_async on jitter_long: py-spy
+            # found three ranks in SyncSwitcher's gather and the fourth in a StragglerEmulator pause).
+            # AdaptiveBatchSize reads the same compute figure.
             recorder = _existing_recorder(self._trainer)
             if recorder is not None:
-                recorder.record_wait(time.perf_counter() - start)  # a wait, not compute: as in gather_rows
+                recorder.record_wait(time.perf_counter() - start)
             self._rows, self._work = rows, None
         return self._rows
 
