@@ -22,8 +22,7 @@ Signals, each computed from every rank's window of steps (so every rank computes
   worst rank of each step, an SSP step absorbs up to ``staleness`` steps of it -> ``async``.
 * divergence: a non-finite loss on any rank, or a window loss of ``hier`` or ``async`` above ``spike_factor`` times
   the median of the recent healthy windows (a rise of ``spike_factor - 1`` times its size, so a negative loss works
-  too) -> back to
-  ``sync``, restore the last good state, and keep the mode that diverged off for
+  too) -> back to ``sync``, restore the last good state, and keep the mode that diverged off for
   ``cooldown_windows`` windows.
 
 Torch-free: the callback gathers the numbers; this module only decides.
