@@ -145,6 +145,10 @@ VARIANTS: list[Variant] = [
             note="round length 1 -> default over the first 25%, rounds applied at once"),
     Variant("ramp_50pct_no_delay", ramp=-50, no_delay=True,
             note="round length 1 -> default over the first 50%, rounds applied at once"),
+    # auto_sync in async mode learned per sample as DDP did on jitter_long (0.97x its samples to 0.97 over 10 seeds)
+    # where async_ssp did not (1.22x): is its 20-step synchronous start the difference?
+    Variant("warmup_20_no_delay", warmup=20, no_delay=True,
+            note="synchronous for the first 20 steps (auto_sync's warm-up), then rounds applied at once"),
     Variant("warmup_10pct_no_delay", warmup=-10, no_delay=True,
             note="synchronous for the first 10%, then rounds applied at once"),
     Variant("warmup_25pct_no_delay", warmup=-25, no_delay=True,

@@ -195,6 +195,16 @@ def bootstrap_geomean(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES)
     return Interval(geometric_mean(values), *_percentile_interval(means))
 
 
+def bootstrap_mean(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES) -> Interval | None:
+    """The mean of per-pair differences with its ``CONFIDENCE`` percentile interval (pairs resampled with
+    replacement, a fixed generator); ``None`` below 2 values."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(0)
+    means = [statistics.fmean(rng.choice(values) for _ in values) for _ in range(resamples)]
+    return Interval(statistics.fmean(values), *_percentile_interval(means))
+
+
 @dataclass(frozen=True)
 class Standing:
     """One contender's time to the ranking's target over its seeds."""

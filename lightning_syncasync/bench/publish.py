@@ -14,6 +14,8 @@ rewrites (and nothing else)::
     <!-- bench:end -->                                   against each scenario's measured ranking
     <!-- bench:script collective_bytes.py collective_bytes.json -->   what ``python scripts/collective_bytes.py
     <!-- bench:end -->                                   --table <from>/collective_bytes.json`` prints (a study script)
+    <!-- bench:pooled a.json,b.json async_ssp_h4:async_ssp -->   learning per sample pooled over those files' pairs
+    <!-- bench:end -->                                   of seeds (:mod:`~lightning_syncasync.bench.pooled`)
 
 A results file is a ``syncasync-bench`` folder's ``results.json`` copied into ``--from`` (any ``*.json`` there, or
 ``<name>/results.json``, holding a list of bench records); re-running one scenario into it and regenerating
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_ratio
+from lightning_syncasync.bench.pooled import PooledLearning
 from lightning_syncasync.bench.report import (
     elastic_answers,
     elastic_table,
@@ -43,7 +46,9 @@ from lightning_syncasync.bench.report import (
 )
 from lightning_syncasync.bench.scenarios import lookup
 
-_BLOCK = re.compile(r"(<!-- bench:(headline|(?:table|rows|script|advice) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S)
+_BLOCK = re.compile(
+    r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S
+)
 HEADLINE_FIGURE = "headline.png"
 
 
@@ -297,6 +302,21 @@ def script_block(script: Path, data: Path) -> str:
     return done.stdout.rstrip("\n") + "\n"
 
 
+def pooled_block(args: list[str], results: dict[str, list[dict[str, Any]]]) -> str:
+    """``bench:pooled FILES [A:B ...]``: learning per sample pooled over the files (comma-separated), every
+    contender against its reference and each ``A:B`` against each other."""
+    between = []
+    for item in args[1:]:
+        a, sep, b = item.partition(":")
+        if not sep or not a or not b:
+            raise ValueError(
+                f"bench:pooled pair {item!r} is not CONTENDER:REFERENCE; HINT: e.g. async_ssp_h4:async_ssp"
+            )
+        between.append((a, b))
+    files = [f for f in args[0].split(",") if f]
+    return "\n".join(PooledLearning.of(results, files, between).table(between)) + "\n"
+
+
 def render(
     text: str, results: dict[str, list[dict[str, Any]]], source: Path | None = None, scripts: Path | None = None
 ) -> str:
@@ -307,6 +327,8 @@ def render(
         kind = m.group(2)
         if kind == "headline":
             body = headline_block(results)
+        elif kind.startswith("pooled "):
+            body = pooled_block(kind.split()[1:], results)
         elif kind.startswith("advice "):
             if source is None:
                 raise ValueError(f"{kind}: needs the results folder")
