@@ -149,6 +149,11 @@ VARIANTS: list[Variant] = [
     # where async_ssp did not (1.22x): is its 20-step synchronous start the difference?
     Variant("warmup_20_no_delay", warmup=20, no_delay=True,
             note="synchronous for the first 20 steps (auto_sync's warm-up), then rounds applied at once"),
+    Variant("warmup_20_h4_no_delay", warmup=20, local_steps=-2, no_delay=True,
+            note="synchronous for the first 20 steps, then rounds half as long applied at once"),
+    # async_ssp's rounds went from 8 local steps to 4 on the emulated MNIST scenarios (docs/benchmarks.md, pooled):
+    # does the LM, whose hier_sync rounds are 4 steps, learn more per sample with 8?
+    Variant("h8", local_steps=8, note="rounds of 8 local steps"),
     Variant("warmup_10pct_no_delay", warmup=-10, no_delay=True,
             note="synchronous for the first 10%, then rounds applied at once"),
     Variant("warmup_25pct_no_delay", warmup=-25, no_delay=True,

@@ -49,7 +49,8 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_, destroy_groups, exchange_backend
+from lightning_syncasync.algorithms._flat import copy_flat_
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError, RoundExchange, check_rounds
 from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampling_order
@@ -262,7 +263,11 @@ class AsyncSSPStrategy(
             DiLoCo; ``1``: each round's exchange overlaps the next round's steps), in steps with ``local_steps=1``
             (``0``: synchronous; ``None``: ASP, no bound, per-step mode only).
         local_steps: local optimizer steps per round at the ranks' mean speed (``1``: per-step gradient exchange).
-            Default 8.
+            Default 4, chosen over 8 on the four asynchronous MNIST scenarios (``straggler_long``, ``jitter_long``,
+            ``mid_run_straggler_long``, ``hetero_slow_link``; 20 seed pairs of 5-seed invocations, pooled, 90%
+            bootstrap intervals, docs/benchmarks.md): rounds of 4 needed 0.86x [0.77-0.98] the samples of rounds of
+            8 to reach 0.97, at a time to the rule target 1.08x [0.96-1.20] as short (a tie); against DDP 1.11x
+            [0.99-1.25] its samples, where 8 needed 1.24x [1.14-1.35].
         outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
             (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the Nesterov variants' settings.
@@ -289,6 +294,10 @@ class AsyncSSPStrategy(
             every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
             whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints), off
             otherwise, in per-step mode and at one rank.
+        warmup_steps: rounds only: steps of synchronous training first, every rank's gradients averaged before each
+            step (DDP's update, on every replica alike), as in post-local SGD (Lin et al., 2020); the rounds start
+            from there. Under ``claim_batches`` the warm-up's batches are dealt in turn (every rank the same number),
+            so no rank's average waits for a peer that ran out. Default 0.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
@@ -304,7 +313,7 @@ class AsyncSSPStrategy(
     def __init__(
         self,
         staleness: int | None = 1,
-        local_steps: int = 8,
+        local_steps: int = 4,
         outer: Outer = "average",
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
@@ -319,9 +328,18 @@ class AsyncSSPStrategy(
         round_interval_s: float = 0.005,
         exchange_every: int = 1,
         claim_batches: bool | None = None,
+        warmup_steps: int = 0,
         **kwargs: Any,
     ) -> None:
         check_async(staleness, compensation, lam)
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 starts the rounds "
+                             "at the first step")  # fmt: skip
+        if warmup_steps and not (isinstance(local_steps, int) and local_steps > 1):
+            raise ValueError(
+                f"warmup_steps={warmup_steps} is a synchronous start before the rounds, and local_steps={local_steps} "
+                "is per-step mode (no rounds). HINT: local_steps > 1, or warmup_steps=0"
+            )
         # The staleness bound counts rounds (an integer) only in round mode; per-step mode also takes None (ASP).
         check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, round_s)
         check_outer(outer, outer_lr, outer_momentum, outer_momentum_every)
@@ -346,6 +364,8 @@ class AsyncSSPStrategy(
         self.round_interval_s = round_interval_s
         self.exchange_every = exchange_every
         self.claim_batches = claim_batches
+        self.warmup_steps = warmup_steps
+        self._warm_group: dist.ProcessGroup | None = None
         self._claiming = False  # claim_batches as decided for this fit
         self.planned_steps: int | None = None  # with claim_batches: the user's max_steps, now a budget over ranks
         self._claim_budget: int | None = None
@@ -374,6 +394,9 @@ class AsyncSSPStrategy(
         super().setup_distributed()
         # The rounds' and the SSP exchange's group: their collectives run on a thread (exchange_backend).
         self._group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s), backend=exchange_backend())
+        if self.warmup_steps:
+            # The warm-up's gradient average: on the training thread, apart from the rounds' thread and group.
+            self._warm_group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s))
 
     @override
     def configure_ddp(self) -> None:
@@ -400,6 +423,10 @@ class AsyncSSPStrategy(
             trainer.fit_loop.epoch_loop.max_steps = -1  # the budget stops every rank at the same epoch end instead
             self._claim_fits += 1
             follow_global_progress(module, self.lr_scheduler_configs, self._global_steps)
+        if self.warmup_steps and self.round_mode:
+            _check_warmup(trainer, self.warmup_steps)
+            log.info("async_ssp: %d synchronous steps (gradients averaged over the %d ranks) before the rounds start",
+                     self.warmup_steps, self.world_size)  # fmt: skip
         compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
         buffers = [b for b in module.buffers() if b.is_floating_point()]
         if self.round_mode:
@@ -491,6 +518,7 @@ class AsyncSSPStrategy(
             seed=seed,
             drop_last=loader.drop_last,
             budget=self._claim_budget,
+            lockstep=self.warmup_steps,
             # A straggler leaves an epoch's tail to the fast ranks, so they do not wait for its last batch at the cut.
             pace=lambda: self.rounds.step_times if self.rounds is not None else None,
         )
@@ -509,6 +537,11 @@ class AsyncSSPStrategy(
             # A local step on fresh gradients of this replica, with its own optimizer; then the round's bookkeeping.
             what = what_is_checked(self.lightning_module)
             checked = finite_closure(closure, self.global_rank, self.rounds, self._params, what)
+            if self._warming():
+                # Every replica takes the same step from the same average: nothing for a round to carry.
+                out = super().optimizer_step(optimizer, self._averaged(checked), model, **kwargs)
+                self.rounds.rebase()
+                return out
             out = super().optimizer_step(optimizer, checked, model, **kwargs)
             with as_divergence(self.global_rank):
                 self.rounds.after_step()
@@ -522,6 +555,32 @@ class AsyncSSPStrategy(
             lambda wrapped: super(AsyncSSPStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
             what=what_is_checked(self.lightning_module),
         )  # fmt: skip
+
+    def _warming(self) -> bool:
+        """Whether this step is one of the synchronous warm-up's: every rank has taken the same number of steps
+        until its end (lockstep), so ``global_step`` is the same on every rank here."""
+        module = self.lightning_module
+        return bool(self.warmup_steps) and module is not None and module.trainer.global_step < self.warmup_steps
+
+    def _averaged(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure``, then its gradients averaged over every rank (a parameter without one counts as zeros, as in
+        DDP, so every replica steps alike)."""
+
+        def run() -> Any:
+            out = closure()
+            start = time.perf_counter()
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in self._params])  # type: ignore[union-attr]
+            all_reduce_(flat, self._warm_group)
+            flat.div_(self.world_size)
+            copy_flat_([p.grad for p in self._params], flat)  # type: ignore[misc]
+            scope = "inter" if self.num_nodes > 1 else "intra"
+            self.sync_stats.record_blocking(flat.numel() * flat.element_size(), scope, time.perf_counter() - start)
+            return out
+
+        return run
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
@@ -560,8 +619,8 @@ class AsyncSSPStrategy(
             self.planned_steps = None
         self._sigterm.undo()
         super().teardown()
-        destroy_groups(self._group)
-        self._group = None
+        destroy_groups(self._group, self._warm_group)
+        self._group = self._warm_group = None
 
 
 class _ClaimingLoader(DataLoader):
@@ -607,6 +666,16 @@ def follow_global_progress(
             original(scheduler, metric)
 
     module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+
+
+def _check_warmup(trainer: pl.Trainer, warmup_steps: int) -> None:
+    """A warm-up must end before the budget: in lockstep, a budget cut inside it could leave one rank a batch
+    short at an average."""
+    if 0 < trainer.max_steps <= warmup_steps:
+        raise ValueError(
+            f"async_ssp(warmup_steps={warmup_steps}) is longer than the run (max_steps={trainer.max_steps}): the "
+            "rounds would never start. HINT: a warm-up of a few percent of max_steps, or warmup_steps=0"
+        )
 
 
 def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:

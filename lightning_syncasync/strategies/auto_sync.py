@@ -128,7 +128,7 @@ class AutoSyncStrategy(
         inter_period: int = 4,
         max_delay: int = 1,
         staleness: int | None = 1,
-        local_steps: int = 8,
+        local_steps: int = 4,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
         compression: str = "none",

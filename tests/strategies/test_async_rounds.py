@@ -89,6 +89,41 @@ def test_every_step_counts_once_and_the_fast_rank_takes_more_under_a_straggler(t
     assert trainer.max_steps == 24  # given back as the user set it
 
 
+class Early(Callback):
+    """Each rank's weights after each of its first ``n`` steps."""
+
+    def __init__(self, out: str, n: int) -> None:
+        self.out, self.n, self.weights = out, n, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if len(self.weights) < self.n:
+            self.weights.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.save(self.weights, Path(self.out) / f"early{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_synchronous_warm_up_steps_every_replica_alike_then_the_rounds_start(tmp_path):
+    # Rank r's gradient is r + 1 everywhere and rank 1 sleeps 40 ms a step. In the 6-step warm-up the gradients are
+    # averaged, so after step k both replicas hold -lr x 1.5 x k exactly, and the slow rank's dealt batches keep the
+    # two in step (16 batches an epoch: 6 dealt to each, the other 4 claimed). Then the rounds let rank 0 take more,
+    # and the merged model still holds every step of both exactly once.
+    strategy = AsyncSSPStrategy(local_steps=2, warmup_steps=6, peer_timeout_s=20, start_method="fork")
+    res, _ = _fit(tmp_path, strategy, ConstantGradModel(slow_rank=1, delay=0.04), steps=24, limit_val_batches=0,
+                  callbacks=[Early(str(tmp_path), 6)])  # fmt: skip
+    early = [torch.load(tmp_path / f"early{r}.pt") for r in range(2)]
+    for k in range(6):
+        want = torch.full_like(early[0][k], -ConstantGradModel.lr * 1.5 * (k + 1))
+        assert torch.equal(early[0][k], want) and torch.equal(early[1][k], want), (k, early[0][k][:2], early[1][k][:2])
+    steps = [r["steps"] for r in res]
+    assert sum(steps) >= 48 and steps[0] > 1.5 * steps[1], steps
+    expected = -ConstantGradModel.lr * sum(n * (r + 1) for r, n in enumerate(steps)) / 2
+    for r in res:
+        assert torch.equal(r["final"], torch.full_like(r["final"], expected)), (r["final"][:3], expected)
+        assert len(r["local_steps"]) >= 2  # rounds ran after the warm-up
+
+
 @pytest.mark.timeout(300)
 def test_an_epoch_end_collective_is_a_cut_not_a_deadlock(tmp_path):
     # Rounds of 2 steps, claimed batches, rank 1 slow: rank 0 takes most of each epoch's 32 batches and runs rounds
@@ -179,6 +214,8 @@ def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, wha
         ({"outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\)"),
         ({"round_s": 0.0}, "round_s must be > 0"),
         ({"outer_momentum_every": 0}, "outer_momentum_every"),
+        ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+        ({"warmup_steps": 4, "local_steps": 1, "staleness": 1}, "warmup_steps=4 is a synchronous start"),
     ],
 )
 def test_bad_round_settings_are_refused_with_a_hint(kwargs, match):
@@ -190,3 +227,11 @@ def test_bad_round_settings_are_refused_with_a_hint(kwargs, match):
 def test_per_step_mode_still_takes_asp():
     assert not AsyncSSPStrategy(local_steps=1, staleness=None).round_mode
     assert AsyncSSPStrategy().round_mode
+
+
+def test_a_warm_up_as_long_as_the_run_is_refused_at_setup(tmp_path):
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncSSPStrategy(warmup_steps=8), max_steps=8,
+                      logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"warmup_steps=8\) is longer than the run \(max_steps=8\).*HINT"):
+        trainer.fit(TinyAdamModel())

@@ -103,7 +103,7 @@ def check_rounds(local_steps: int, staleness: int | None, round_s: float | None)
     if not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(
             f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: 1 exchanges a gradient every step "
-            "(per-step async), 8 is the round-level default"
+            "(per-step async), 4 is the round-level default"
         )
     if staleness is None or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(
@@ -274,6 +274,14 @@ class RoundExchange:
             while self._agree(self._deadline is not None and time.time() >= self._deadline):
                 self._end_round(cut=False)
         self._last_step_at = time.perf_counter()  # the time blocked above is not step time
+
+    def rebase(self) -> None:
+        """The replicas moved together outside the rounds (a synchronous warm-up step, gradients averaged over every
+        rank): the current round starts again from here, with nothing of that step in its pseudo-gradient. Every rank
+        calls it at the same step; no collective."""
+        self._base = self.flat()
+        self._steps = self._samples = 0
+        self._step_ema = self._last_step_at = None  # a step that waited for every rank is not this rank's pace
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Add a local step's loss (detached, on the device) to the current round's sum, which is checked for a NaN

@@ -33,6 +33,14 @@ borrow: its batch would keep the others waiting.
 training's global progress in batches (what a learning-rate schedule should follow when ranks step at different
 rates).
 
+With ``lockstep`` (a synchronous warm-up of that many steps per rank, ranks averaging gradients every step), the
+first ``lockstep`` batches of every rank are dealt in turn instead (rank ``r`` trains batches ``r, r + world, ...`` of
+each epoch, as ``DistributedSampler`` does): every rank then takes the same number of steps until the warm-up's last,
+so no rank's collective ever waits for a peer that ran out of batches. An epoch wholly inside the warm-up drops its
+last ``batches % world`` batches (``DistributedSampler(drop_last=True)``); the claims (and the hand-over and borrowing)
+start after the warm-up, at the next undealt batch of the epoch it ends in. The reserved batch above is the case of
+one dealt batch.
+
 The sampler has no ``__len__``: an epoch's length on a rank is only known at its end, so Lightning treats the loader
 as of unknown length and validates at epoch ends.
 """
@@ -64,6 +72,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         tail_ratio: how much slower than the fastest other rank a rank must be before it may hand over (> 1, so
             ranks of equal speed never do: they would only trade who waits).
         borrow: train batches of the next epoch while another rank is still in this one (needs ``budget``).
+        lockstep: batches of every rank dealt in turn before any is claimed (a synchronous warm-up's steps, >= 0).
 
     Example::
 
@@ -85,6 +94,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         pace: Callable[[], Sequence[float] | None] | None = None,
         tail_ratio: float = 1.25,
         borrow: bool = True,
+        lockstep: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}; HINT: the DataLoader's batch_size per rank")
@@ -99,6 +109,8 @@ class ClaimingBatchSampler(Sampler[list[int]]):
                 f"tail_ratio must be > 1, got {tail_ratio}; HINT: 1.25 lets only a rank 25% slower than the fastest "
                 "hand over an epoch's tail"
             )
+        if not isinstance(lockstep, int) or lockstep < 0:
+            raise ValueError(f"lockstep must be an integer >= 0, got {lockstep!r}; HINT: 0 claims every batch but one")
         self.dataset_len = dataset_len
         self.batch_size = batch_size
         self.rank = rank
@@ -111,6 +123,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         self.pace = pace
         self.tail_ratio = tail_ratio
         self.borrow = borrow
+        self.lockstep = lockstep
         full, rest = divmod(dataset_len, batch_size)
         self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
         if self.batches_per_epoch < world:
@@ -142,17 +155,34 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             order = list(range(self.dataset_len))
         return [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(self.batches_per_epoch)]
 
+    def dealt(self, epoch: int) -> int:
+        """Batches of each rank dealt in turn in ``epoch`` (at least the reserved one; module docstring)."""
+        per_rank = self.batches_per_epoch // self.world  # an epoch wholly in the warm-up: every rank's share
+        return max(1, min(per_rank, self.lockstep - epoch * per_rank))
+
+    def _in_lockstep_after(self, epoch: int) -> bool:
+        """Whether the warm-up goes on past ``epoch``: it then has no claims and the next epoch no borrowing."""
+        return self.lockstep > (epoch + 1) * (self.batches_per_epoch // self.world)
+
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._batches()
         per_epoch = self.batches_per_epoch
         start = self.epoch * per_epoch  # batches every earlier epoch used up (each ran until its queue was empty)
         key = f"claim/e{self.epoch}"
         # The budget counts claims in order, so a batch is trained iff its claim number is below it.
-        self.claimed += 1
-        self.position = start + self.rank + 1
-        yield batches[self.rank]  # reserved: every rank trains at least once per epoch
+        dealt = self.dealt(self.epoch)
+        for i in range(dealt):  # the first is reserved: every rank trains at least once per epoch
+            index = self.rank + i * self.world
+            if i and self.budget is not None and start + index >= self.budget:
+                break
+            self.claimed += 1
+            self.position = start + index + 1
+            yield batches[index]
+        if self._in_lockstep_after(self.epoch):
+            self.exhausted = self.budget is not None and start + per_epoch >= self.budget
+            return  # the warm-up goes on in the next epoch, dealt as well; this epoch's remainder is dropped
         while not self._hand_over(key, start):
-            index = self.world + int(self.store.add(key, 1)) - 1
+            index = self.world * dealt + int(self.store.add(key, 1)) - 1
             if index >= per_epoch or (self.budget is not None and start + index >= self.budget):
                 break
             self.claimed += 1
@@ -169,9 +199,9 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         arrived = int(self.store.add(arrived_key, 1))
         if not self.borrow or self.budget is None or self._straggler() is not None:
             return
-        key, batches = f"claim/e{self.epoch + 1}", None
+        key, batches, dealt = f"claim/e{self.epoch + 1}", None, self.dealt(self.epoch + 1)
         while arrived < self.world:
-            index = self.world + int(self.store.add(key, 1)) - 1
+            index = self.world * dealt + int(self.store.add(key, 1)) - 1
             if index >= self.batches_per_epoch or next_start + index >= self.budget:
                 return  # the next epoch is used up (or the budget): nothing left to borrow
             batches = batches or self._batches(self.epoch + 1)
@@ -201,7 +231,8 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             return False
         mine, others = slow
         end = self.batches_per_epoch if self.budget is None else min(self.batches_per_epoch, self.budget - start)
-        left = end - self.world - int(self.store.add(key, 0))  # unclaimed batches (add 0 reads the counter)
+        # Unclaimed batches (add 0 reads the counter; the first world x dealt were dealt).
+        left = end - self.world * self.dealt(self.epoch) - int(self.store.add(key, 0))
         if left <= 0 or mine <= left / sum(1.0 / t for t in others):
             return False  # nothing left to hand over, or this rank's next batch ends before the others drain the rest
         # At most world - 1 ranks hand over an epoch's tail: the last to ask is refused and drains the queue.

@@ -137,3 +137,21 @@ def test_bad_arguments(kwargs, match):
     args = {"dataset_len": 100, "batch_size": 10, "rank": 0, "world": 2, "store": dist.HashStore(), **kwargs}
     with pytest.raises(ValueError, match=match):
         ClaimingBatchSampler(**args)
+
+
+def test_a_warm_up_is_dealt_in_turn_then_the_rest_is_claimed():
+    # 100 samples of 10: 10 batches per epoch, 3 ranks, a warm-up of 5 steps per rank. Epoch 0 lies wholly in it:
+    # 3 batches each, dealt in turn (no claims, whatever the ranks' speeds), the 10th dropped. Epoch 1 deals the
+    # warm-up's last 2 steps each, then the 4 batches left go to whoever claims first.
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(100, 10, r, 3, store, shuffle=False, lockstep=5) for r in range(3)]
+    first = _run_epoch(samplers, 0, pace=[3, 1, 1])
+    assert [[b[0] // 10 for b in g] for g in first] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    assert [s.position for s in samplers] == [7, 8, 9]  # claim numbers over ranks: the LR schedule's progress
+    second = _run_epoch(samplers, 1, pace=[3, 1, 1])
+    assert [[b[0] // 10 for b in g][:2] for g in second] == [[0, 3], [1, 4], [2, 5]]
+    assert sorted(b[0] // 10 for g in second for b in g[2:]) == [6, 7, 8, 9]  # every batch once
+    assert len(second[0]) > len(second[1])  # past the warm-up the fast rank claims more
+    assert [s.dealt(e) for s in samplers[:1] for e in range(3)] == [3, 2, 1]
+    with pytest.raises(ValueError, match="lockstep must be an integer >= 0"):
+        ClaimingBatchSampler(100, 10, 0, 2, store, lockstep=-1)
