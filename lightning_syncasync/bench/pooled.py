@@ -14,7 +14,9 @@ same question. Pooled:
   points, and the reference's time to the invocation's rule target (:func:`~lightning_syncasync.bench.evidence.
   rule_target`) over its own; each with a ``CONFIDENCE`` bootstrap interval resampling the pairs.
 * **Between two contenders** that ran side by side (``async_ssp_h4:async_ssp``): the same three figures with the
-  second as the reference, over the seeds where both ran: a paired comparison of two settings of one strategy.
+  second as the reference, over the seeds where both ran: a paired comparison of two settings of one strategy. A
+  side may name one setting under the names it had over time (``async_ssp_h4:async_ssp_h8|async_ssp``: rounds of 8
+  were ``async_ssp`` until they stopped being its default); the first name that ran in an invocation is used.
 
 A docs block: ``<!-- bench:pooled a.json,b.json async_ssp_h4:async_ssp -->`` (the files, then any pairs).
 """
@@ -43,6 +45,11 @@ class _Pair:
     run: dict[str, Any]
     ref: dict[str, Any]
     rule: float | None  # the invocation's rule target (from its reference's runs alone)
+
+
+def _present(names: str, by: dict[str, list[dict[str, Any]]]) -> str | None:
+    """The first of ``names`` (``a|b``: one setting under the names it had over time) that ran here."""
+    return next((n for n in names.split("|") if by.get(n)), None)
 
 
 def _samples(run: dict[str, Any]) -> float | None:
@@ -92,10 +99,11 @@ class PooledLearning:
                 rule = rule_target(by[reference])
                 comparisons = [(s, reference) for s in by if s != reference] + list(between)
                 for mine, theirs in comparisons:
-                    if not by.get(mine) or not by.get(theirs):
+                    a, b = _present(mine, by), _present(theirs, by)
+                    if a is None or b is None:
                         continue
-                    ref_of = {(r.get("command"), r.get("train_seed")): r for r in by[theirs] if "error" not in r}
-                    for run in by[mine]:
+                    ref_of = {(r.get("command"), r.get("train_seed")): r for r in by[b] if "error" not in r}
+                    for run in by[a]:
                         ref = ref_of.get((run.get("command"), run.get("train_seed")))
                         if ref is not None and "error" not in run:
                             pairs.setdefault((mine, theirs), []).append(_Pair(name, run, ref, rule))
@@ -142,6 +150,7 @@ class PooledLearning:
         ]
         for mine, theirs in [*against, *between]:
             row = self.row(mine, theirs)
+            mine, theirs = mine.replace("|", " or "), theirs.replace("|", " or ")  # a "|" would split the cell
             if row is None:
                 lines.append(f"| {mine} | {theirs} | 0 | n/a | n/a | n/a | n/a |")
                 continue

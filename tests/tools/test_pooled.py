@@ -76,3 +76,13 @@ def test_the_mean_interval_resamples_the_pairs():
     assert bootstrap_mean([1.0]) is None
     got = bootstrap_mean([-1.0, -0.5, 0.0, -0.2, -0.3])
     assert got is not None and got.value == pytest.approx(-0.4) and -1.0 <= got.low < got.value < got.high <= 0.0
+
+
+def test_one_setting_under_two_names_pools_across_invocations():
+    old = invocation("bench a", "jitter_long", late_seeds={0, 1})
+    new = [{**r, "strategy": "async_ssp_h8"} if r["strategy"] == "async_ssp" else r
+           for r in invocation("bench b", "jitter_long", late_seeds={0, 1, 2})]  # fmt: skip
+    pooled = PooledLearning.of({"a.json": old, "b.json": new}, ["a.json", "b.json"],
+                               [("async_ssp_h4", "async_ssp_h8|async_ssp")])  # fmt: skip
+    row = pooled.row("async_ssp_h4", "async_ssp_h8|async_ssp")
+    assert row is not None and row["pairs"] == 10 and row["files"] == 2 and row["reference_reached"] == 5
