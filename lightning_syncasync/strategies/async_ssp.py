@@ -419,6 +419,10 @@ class AsyncSSPStrategy(
         optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
         self._optimizer = optimizer
         self._sigterm.install(trainer)  # the rank alone: it trains apart
+        if self.warmup_steps and self.round_mode:
+            _check_warmup(trainer, self.warmup_steps)  # before claim_batches turns max_steps into a budget
+            log.info("async_ssp: %d synchronous steps (gradients averaged over the %d ranks) before the rounds start",
+                     self.warmup_steps, self.world_size)  # fmt: skip
         self._claiming = self._decide_claiming(trainer)
         if self._claiming:
             self._claim_budget = _claim_budget(trainer, self.world_size)
@@ -426,10 +430,6 @@ class AsyncSSPStrategy(
             trainer.fit_loop.epoch_loop.max_steps = -1  # the budget stops every rank at the same epoch end instead
             self._claim_fits += 1
             follow_global_progress(module, self.lr_scheduler_configs, self._global_steps)
-        if self.warmup_steps and self.round_mode:
-            _check_warmup(trainer, self.warmup_steps)
-            log.info("async_ssp: %d synchronous steps (gradients averaged over the %d ranks) before the rounds start",
-                     self.warmup_steps, self.world_size)  # fmt: skip
         compressor = Compressor(self.compression, seed=self.global_rank, **self.compression_options)  # type: ignore[arg-type]
         buffers = [b for b in module.buffers() if b.is_floating_point()]
         if self.round_mode:

@@ -229,9 +229,12 @@ def test_per_step_mode_still_takes_asp():
     assert AsyncSSPStrategy().round_mode
 
 
-def test_a_warm_up_as_long_as_the_run_is_refused_at_setup(tmp_path):
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncSSPStrategy(warmup_steps=8), max_steps=8,
-                      logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
-    with pytest.raises(ValueError, match=r"warmup_steps=8\) is longer than the run \(max_steps=8\).*HINT"):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_warm_up_as_long_as_the_run_is_refused_at_setup(tmp_path, devices):
+    # At 2 ranks claimed batches turn max_steps into a budget over ranks at setup: the check must read it first.
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=AsyncSSPStrategy(warmup_steps=8,
+                      start_method="fork"), max_steps=8, limit_val_batches=0, logger=False, default_root_dir=tmp_path,
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    with pytest.raises(Exception, match=r"warmup_steps=8\) is longer than the run \(max_steps=8\).*HINT"):
         trainer.fit(TinyAdamModel())
