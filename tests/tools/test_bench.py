@@ -9,7 +9,7 @@ from _commands import CommandFailed, run_main
 
 from lightning_syncasync.bench.__main__ import main as bench_main
 from lightning_syncasync.bench.report import merge_results, summarise, write_report
-from lightning_syncasync.bench.runner import BASELINES, resolve_contenders
+from lightning_syncasync.bench.runner import BASELINES, CONTENDER_DIR, check_launcher, resolve_contenders
 
 
 @pytest.mark.timeout(300)
@@ -254,3 +254,14 @@ def test_optimizer_state_ratio_reads_the_right_way_round():
     assert _size_ratio(1.0, 1.5) == "1.50x larger"
     assert _size_ratio(1.0, 1.004) == "the same"
     assert _size_ratio(None, 1.0) == "n/a"
+
+
+def test_every_contender_file_loads_composes_and_says_what_it_is():
+    # A contender file is YAML a user may edit (a description with ": " in it once broke one); every one must load,
+    # describe itself and compose with the app's config, before a benchmark runs it.
+    names = sorted(p.stem for p in CONTENDER_DIR.glob("*.yaml"))
+    contenders = resolve_contenders(",".join(names))
+    assert [c.name for c in contenders] == names
+    for c in contenders:
+        assert c.description and c.overrides, c.name
+        check_launcher(c, list(c.overrides))  # raises naming the contender when it does not compose
