@@ -36,7 +36,7 @@ from lightning_syncasync.bench.evidence import (
     rule_target,
     time_to,
 )
-from lightning_syncasync.bench.report import _budget_samples, samples_to_target, side_by_side
+from lightning_syncasync.bench.report import samples_or_budget, samples_to_target, side_by_side
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,6 @@ class _Pair:
 def _present(names: str, by: dict[str, list[dict[str, Any]]]) -> str | None:
     """The first of ``names`` (``a|b``: one setting under the names it had over time) that ran here."""
     return next((n for n in names.split("|") if by.get(n)), None)
-
-
-def _samples(run: dict[str, Any]) -> float | None:
-    got = samples_to_target(run)
-    return got if got is not None else _budget_samples(run)
 
 
 def _time(run: dict[str, Any], level: float | None) -> float | None:
@@ -116,7 +111,7 @@ class PooledLearning:
             return None
         ratios, finals, speedups = [], [], []
         for p in pairs:
-            a, b = _samples(p.run), _samples(p.ref)
+            a, b = samples_or_budget(p.run), samples_or_budget(p.ref)
             if a and b:
                 ratios.append(a / b)
             fa, fb = p.run.get("final_val_metric"), p.ref.get("final_val_metric")

@@ -173,6 +173,12 @@ def samples_to_target(run: dict[str, Any]) -> float | None:
     return None if share is None else share * budget
 
 
+def samples_or_budget(run: dict[str, Any]) -> float | None:
+    """:func:`samples_to_target`, or the whole budget's samples for a run that never reached it (a censored miss)."""
+    got = samples_to_target(run)
+    return got if got is not None else _budget_samples(run)
+
+
 def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
     """Learning per sample against ``ddp`` of the same invocation, seed by seed (issue 49's targets): samples to
     the target over DDP's, median [min-max] (a seed that never reaches counts as the whole budget, and is
@@ -192,9 +198,8 @@ def learning_table(by_strategy: dict[str, dict[str, Any]]) -> list[str]:
             if ref is None or "error" in run or ref.get("command") != run.get("command"):
                 continue
             n += 1
-            mine, theirs = samples_to_target(run), samples_to_target(ref)
-            reached += mine is not None
-            mine = mine if mine is not None else _budget_samples(run)
+            reached += samples_to_target(run) is not None
+            mine, theirs = samples_or_budget(run), samples_to_target(ref)
             if theirs and mine:
                 ratios.append(mine / theirs)
             if run.get("final_val_metric") is not None and ref.get("final_val_metric") is not None:
