@@ -223,15 +223,23 @@ def _run_multirun_job_in_child(cfg: DictConfig) -> dict[str, Any]:
 def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
     """``ft=N``: a torchft Lighthouse and N jobs of this app, one per emulated node (each its own output folder
     ``node{n}``), with ``ft_faults``; the results are node 0's last run's, with every run's exit listed."""
-    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster, first_step_clock
 
     validate_config(cfg)
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
     devices = cfg.trainer.get("devices", 1)
+    # ft_faults' times count from the first training step, so that a slow start-up (three times longer on a loaded
+    # machine) neither kills a node before it trained nor restarts it after the others finished; a job without
+    # SyncMonitor reports no first step and keeps the launch's clock.
+    monitored = any(str(c.get("_target_", "")).endswith("SyncMonitor")
+                    for c in (cfg.get("callbacks") or {}).values() if isinstance(c, DictConfig))  # fmt: skip
+    env, origin = first_step_clock(output_dir, int(cfg.ft)) if monitored else ({}, None)
+    if cfg.ft_faults and not monitored:
+        log.info("ft_faults: no SyncMonitor in the callbacks, so the fault times count from the launch")
     cluster = ReplicaGroupCluster(
         nodes=int(cfg.ft), procs_per_node=devices if isinstance(devices, int) and devices > 0 else 1,
-        faults=str(cfg.ft_faults or ""), log_dir=output_dir, faults_setting="ft_faults",
+        faults=str(cfg.ft_faults or ""), log_dir=output_dir, faults_setting="ft_faults", origin=origin, env=env,
     )  # fmt: skip
     task = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in ("ft", "ft_faults")]
     cmd = [sys.executable, "-m", "lightning_syncasync.train", *_searchpath_overrides(hc), *task,

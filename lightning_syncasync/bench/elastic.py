@@ -48,9 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_syncasync._cores import usable_cores
-from lightning_syncasync.callbacks._timeline import ENV_TIMELINE, read_timeline
+from lightning_syncasync.callbacks._timeline import read_timeline
 from lightning_syncasync.emulate.cluster import free_port
-from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+from lightning_syncasync.emulate.replica_groups import TIMELINE_FILE, ReplicaGroupCluster, first_step_clock
 
 if TYPE_CHECKING:
     from lightning_syncasync.bench.runner import BenchRunner, Contender
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TIMELINE_FILE = "timeline.node{node}.jsonl"
 PLOT_POINTS = 300  # per series kept in results.json for the plots
 
 
@@ -126,13 +125,8 @@ def run_elastic(
         ]  # fmt: skip
         # The workers' store of their own: a store shared with the agent does not survive a restart (train.py).
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    timelines = [run_dir / TIMELINE_FILE.format(node=n) for n in range(scenario.nodes)]
-    env[ENV_TIMELINE] = str(run_dir / TIMELINE_FILE)
-
-    def origin() -> float | None:
-        starts = [line["t"] for p in timelines for line in read_timeline(p)[:1]]
-        return min(starts) if starts else None
-
+    clock_env, origin = first_step_clock(run_dir, scenario.nodes)
+    env.update(clock_env)
     netns = runner.netns and scenario.netns
     cores = 0.75 * usable_cores() / scenario.world_size * ppn  # the ideal's per-rank shares (EmulatedCluster)
     cluster = ReplicaGroupCluster(

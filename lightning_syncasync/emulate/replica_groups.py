@@ -62,6 +62,7 @@ _LIGHTHOUSE = (
     "while True:\n"
     "    time.sleep(3600)\n"
 )
+TIMELINE_FILE = "timeline.node{node}.jsonl"  # each node's SyncMonitor timeline, under first_step_clock()
 _EVENT = re.compile(r"^(kill|term|start):(\d+)@(\d+(?:\.\d+)?)$")
 
 
@@ -129,6 +130,7 @@ class ReplicaGroupsReport:
     wall_s: float = 0.0
     interrupted: bool = False
     origin_s: float | None = None  # seconds from the start at which the fault schedule's clock started
+    faults_not_applied: int = 0  # events left when every node had ended before the clock started
     cpu_mode: str = "shared"  # "cgroup" when cores_per_node capped each node
     cores_per_node: float | None = None
 
@@ -278,6 +280,13 @@ class ReplicaGroupCluster:
                         run.exit_code, run.ended_at = code, time.monotonic() - start
                         del self._procs[node]
                 if not self._procs and not pending:
+                    break
+                if not self._procs and origin is None:
+                    # Every node ended before the clock's origin came (a job that failed at start-up, or one that
+                    # never reports its first step): the schedule cannot start, and waiting for it would hang.
+                    log.warning("every node ended before the fault clock started: %d fault(s) not applied",
+                                len(pending))  # fmt: skip
+                    report.faults_not_applied = len(pending)
                     break
                 if timeout_s is not None and now > timeout_s:
                     log.error("timeout after %.0f s: stopping every node", timeout_s)
@@ -429,6 +438,25 @@ class ReplicaGroupCluster:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop = True
+
+
+def first_step_clock(folder: Path, nodes: int) -> tuple[dict[str, str], Callable[[], float | None]]:
+    """A fault clock that starts at the job's first training step instead of its launch: the environment that makes
+    every node's ``SyncMonitor`` write its timeline to ``folder/timeline.node{n}.jsonl``, and the ``origin`` for
+    :class:`ReplicaGroupCluster` that returns the earliest first line of those files.
+
+    Why: start-up (imports, rendezvous) takes 8 s here and three times that on a loaded machine, so a fault placed at
+    a time from the launch may hit a node that has not trained yet, or a restart may find the others done. A job
+    without ``SyncMonitor`` writes no timeline; give it the launch clock (``origin=None``) instead."""
+    from lightning_syncasync.callbacks._timeline import ENV_TIMELINE, read_timeline
+
+    timelines = [Path(folder) / TIMELINE_FILE.format(node=n) for n in range(nodes)]
+
+    def origin() -> float | None:
+        starts = [line["t"] for p in timelines for line in read_timeline(p)[:1]]
+        return min(starts) if starts else None
+
+    return {ENV_TIMELINE: str(Path(folder) / TIMELINE_FILE)}, origin
 
 
 def _descendants(pid: int) -> list[int]:

@@ -251,3 +251,20 @@ def test_a_node_kill_takes_processes_in_sessions_of_their_own_and_the_clock_star
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert json.loads((tmp_path / "logs" / "emulation.json").read_text())["origin_s"] == report.origin_s
     os.kill(int((tmp_path / "child1").read_text()), 9)  # node 1 ended by itself, leaving its child (not ours to kill)
+
+
+@pytest.mark.timeout(60)
+def test_nodes_that_end_before_the_clock_starts_end_the_run_with_the_faults_counted_as_not_applied(tmp_path):
+    # A job that fails at start-up never reports its first step: the run must end when its nodes have, not wait
+    # for a clock that will not start (it looped until its timeout before).
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster, first_step_clock
+
+    env, origin = first_step_clock(tmp_path, 2)
+    cluster = ReplicaGroupCluster(
+        nodes=2, procs_per_node=1, lighthouse=False, faults="kill:1@1,start:1@2", origin=origin,
+        log_dir=tmp_path / "logs", echo=False, env=env,
+    )  # fmt: skip
+    report = cluster.run([sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30)
+    assert not report.interrupted and report.origin_s is None
+    assert report.faults_not_applied == 2 and [r.exit_code for r in report.runs] == [3, 3]
+    assert env["SYNCASYNC_TIMELINE"] == str(tmp_path / "timeline.node{node}.jsonl")
