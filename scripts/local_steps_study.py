@@ -87,9 +87,9 @@ RELABEL = {
     ("mnist", "base"): "rounds of 8 local steps, plain average (async_ssp's default until 2026-12-05)",
     ("mnist", "half_rounds"): "rounds of 4 local steps (async_ssp's default since 2026-12-05)",
 }
-# SGD (lr 0.05, momentum 0.9: a sweep of DDP over 0.01-0.1 found no better lr, 2 seeds each) plateaus near 0.96, below
-# Adam's 0.97: its target is the benchmarks' rule on DDP's curves, the highest level every DDP seed reaches within
-# 60% of the budget (0.945, by step 200 at the latest), and its low target a steep level below it.
+# SGD (lr 0.05, momentum 0.9; DDP with lr 0.01, 0.02 or 0.1 ended lower on seeds 0-1, docs/benchmarks.md) plateaus
+# near 0.96, below Adam's 0.97: its target is the benchmarks' rule on DDP's curves, the highest level every DDP seed
+# reaches within 60% of the budget (0.945, by step 200 at the latest), and its low target a steep level below it.
 SGD_TARGETS = {"mnist": (0.945, 0.93)}
 
 
