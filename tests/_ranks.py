@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,23 +19,15 @@ from typing import Any
 import torch
 from _forked import ForkedProcess
 
+from lightning_syncasync.emulate.cluster import free_port
+
 JOB = Path(__file__).with_name("_rank_job.py")
 REPO = Path(__file__).resolve().parents[1]
 
 
-_HANDED_OUT: set[int] = set()
-
-
 def _free_port() -> int:
-    """A port free now and not handed to another job of this process: jobs start side by side, and a port closed a
-    moment ago can come back from the OS before the first job's rank 0 has bound it."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A port free now and not handed to another job of this process (``emulate.cluster.free_port``)."""
+    return free_port()
 
 
 class RankJob:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -73,10 +74,38 @@ class EmulationReport:
     net_bytes: list[dict[str, int]] = field(default_factory=list)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, drawn below the kernel's ephemeral range, and not handed out before by this process.
+
+    Why below: a port the kernel picks for a bind to port 0 (torchft's servers, gloo's pairs, any client socket) comes
+    from ``ip_local_port_range``, so a port probed inside that range can be taken by one of them before the caller
+    binds it (a test lost a replica group to EADDRINUSE on its MASTER_PORT that way). Below the range only another
+    explicit choice can collide, and this process never hands out the same port twice."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low // 2), low) if low > 2048 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address: the caller's store binds them all
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port found between {max(1024, low // 2)} and {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here; other systems have no such file
 
 
 class EmulatedCluster:
