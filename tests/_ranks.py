@@ -25,11 +25,6 @@ JOB = Path(__file__).with_name("_rank_job.py")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    """A port free now and not handed to another job of this process (``emulate.cluster.free_port``)."""
-    return free_port()
-
-
 class RankJob:
     """The ranks of one job, started; :meth:`wait` collects them. Several jobs can run at once (a GPU run and its
     CPU reference side by side)."""
@@ -58,7 +53,7 @@ class RankJob:
         self.out, self.strategy, self.accelerator, self.ranks = out, strategy, accelerator, ranks
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
-        port = _free_port()
+        port = free_port()  # free now, never handed to another job of this process
         self.procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
         self.logs = []
         for rank in range(ranks):

@@ -87,17 +87,15 @@ def free_port() -> int:
     low = _ephemeral_low()
     rng = random.SystemRandom()
     for _ in range(100):
-        port = rng.randrange(max(1024, low // 2), low) if low > 2048 else 0
-        if port in _HANDED_OUT:
-            continue
         with socket.socket() as s:
-            try:
-                s.bind(("", port))  # every address: the caller's store binds them all
+            try:  # every address: the caller's store binds them all (port 0: a range too small to draw below)
+                s.bind(("", rng.randrange(max(1024, low // 2), low) if low > 2048 else 0))
             except OSError:
                 continue
             port = s.getsockname()[1]
-        _HANDED_OUT.add(port)
-        return port
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
     raise RuntimeError(f"no free TCP port found between {max(1024, low // 2)} and {low}")
 
 

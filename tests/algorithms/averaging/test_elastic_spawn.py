@@ -16,16 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from lightning_syncasync.emulate.cluster import free_port
+
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at INFO
 torchft = pytest.importorskip("torchft", reason='torchft is an optional extra: pip install "lightning-syncasync[ft]"')
 
 JOB = Path(__file__).resolve().parents[2] / "_elastic_job.py"
-
-
-def _free_port() -> int:
-    from lightning_syncasync.emulate.cluster import free_port  # below the ephemeral range (a group lost its port)
-
-    return free_port()
 
 
 class Lighthouse:
@@ -49,7 +45,7 @@ class Group:
 
     def __init__(self, out: Path, lighthouse: Lighthouse, group: int, ranks: int, args: list[str], tag: str = "",
                  env: dict[str, str] | None = None) -> None:  # fmt: skip
-        port = _free_port()
+        port = free_port()  # below the ephemeral range (a group lost its MASTER_PORT to a bind to port 0)
         self.out, self.group, self.ranks = out, group, ranks
         self.tag = f"g{group}{tag}"
         self.procs = []
