@@ -164,6 +164,12 @@ VARIANTS: list[Variant] = [
     # async_ssp's rounds went from 8 local steps to 4 on the emulated MNIST scenarios (docs/benchmarks.md, pooled):
     # does the LM, whose hier_sync rounds are 4 steps, learn more per sample with 8?
     Variant("h8", local_steps=8, note="rounds of 8 local steps"),
+    # async_ssp set up as auto_sync's async mode (conf/bench/contender/async_ssp_auto_like.yaml) matched DDP's samples
+    # on the emulated async scenarios (pooled 1.02x over 20 pairs): its 20-step synchronous start with rounds a round
+    # late, at the workload's round length and at half of it, before it becomes the default.
+    Variant("warmup_20", warmup=20, note="synchronous for the first 20 steps, then rounds a round late"),
+    Variant("warmup_20_h4", warmup=20, local_steps=-2,
+            note="synchronous for the first 20 steps, then rounds half as long, a round late"),
     Variant("warmup_10pct_no_delay", warmup=-10, no_delay=True,
             note="synchronous for the first 10%, then rounds applied at once"),
     Variant("warmup_25pct_no_delay", warmup=-25, no_delay=True,
