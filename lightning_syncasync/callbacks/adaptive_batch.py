@@ -85,6 +85,10 @@ class AdaptiveBatchSize(Callback):
             scaling. Epochs keep their number of steps, so a grown batch makes an epoch span more than one pass
             over the data (each sample is seen once per pass); LR schedules are not stretched.
         max_global_batch: upper bound of the grown global batch (default 8x the initial one, at most the dataset).
+        required: ``False``: a training loader this callback cannot split (an iterable dataset, a custom batch
+            sampler) is left as it is, with a log line, and the run trains with even batches. Strategies that add
+            the callback by default (``async_ssp``) set it, so that a loader the user chose is never an error of a
+            callback the user did not add.
 
     Example::
 
@@ -106,6 +110,7 @@ class AdaptiveBatchSize(Callback):
         seed: int | None = None,
         grow_batch: bool = False,
         max_global_batch: int | None = None,
+        required: bool = True,
     ) -> None:
         super().__init__()
         if interval < 1:
@@ -163,6 +168,7 @@ class AdaptiveBatchSize(Callback):
         self.seed = seed
         self.grow_batch = grow_batch
         self.max_global_batch = max_global_batch
+        self.required = required
         self.noise = GradientNoiseScale()
         self.base_batch: int | None = None
         self._max_batch_total = 0
@@ -230,6 +236,11 @@ class AdaptiveBatchSize(Callback):
     def _replace_loader(self, trainer: pl.Trainer, loader: DataLoader) -> DataLoader:
         if isinstance(loader.batch_sampler, VariableBatchSampler):
             return loader
+        if not self.required:
+            why = _unsplittable(loader, self.global_batch)
+            if why is not None:
+                rank_zero_info(f"AdaptiveBatchSize: the training loader is left as it is (even batches): {why}")
+                return loader
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError(
@@ -599,6 +610,16 @@ class AdaptiveBatchSize(Callback):
         self.decisions = list(state_dict.get("decisions", []))
         if state_dict.get("noise"):
             self.noise.load_state_dict(state_dict["noise"])
+
+
+def _unsplittable(loader: DataLoader, global_batch: int | None) -> str | None:
+    """Why the loader's global batch cannot be split by index (``None``: it can)."""
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return f"{type(dataset).__name__} is an iterable dataset"
+    if global_batch is None and loader.batch_size is None:
+        return "it has a custom batch_sampler, so its batch size is unknown"
+    return None
 
 
 def _node_groups(strategy: object) -> list[list[int]] | None:

@@ -548,6 +548,10 @@ def _topology_text(summary: dict[str, Any]) -> str:
     )
 
 
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
 def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[str, Any]:
     ranks = []
     for i, row in enumerate(gathered.tolist()):
@@ -573,7 +577,10 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
                 # What the rank holds of the model's training state: parameters + gradients + optimizer state.
                 "model_state_mb": r["param_mb"] + r["grad_mb"] + r["optimizer_state_mb"],
                 "sync_point_s": r["sync_point_s"],
-                "sync_point_frac": r["sync_point_s"] / r["wall_s"] if r["wall_s"] > 0 else 0.0,
+                # A share of the rank's time: its steps' wall time does not hold the sync points (they are outside
+                # the steps), so both are the whole. A fast rank that waits at an epoch end for a slow one can spend
+                # longer there than in its steps.
+                "sync_point_frac": _share(r["sync_point_s"], r["wall_s"] + r["sync_point_s"]),
                 "checkpoint_s": r["checkpoint_s"],
             }
         )

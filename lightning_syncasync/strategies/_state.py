@@ -135,3 +135,22 @@ def mean_optimizer_state(states: list[dict[str, Any]]) -> dict[str, Any]:
     mean, so the first steps are, if anything, smaller than that optimizer's. A replica that holds no state for a
     parameter (it never stepped it) has nothing to add to that parameter's mean (:func:`mean_state` skips it)."""
     return {**states[0], "state": mean_state([s["state"] for s in states])}
+
+
+def drop_added_callback_states(
+    checkpoint: dict[str, Any], callbacks: list[Any], keys: tuple[str, ...], who: str, log: Any
+) -> None:
+    """Drop from ``checkpoint`` the states of callbacks a strategy adds by itself at more than one rank.
+
+    Why: a checkpoint of more ranks holds the state of a callback the strategy added there (``SyncSwitcher``,
+    ``AdaptiveBatchSize``). At one rank the strategy adds none, and Lightning would tell the user to pass it
+    ("callbacks used to create the checkpoint need to be provided"). Unless the user passed such a callback (it then
+    gets its state), the state is dropped, and the log says so.
+    """
+    have = {c.state_key for c in callbacks}
+    states = checkpoint.get("callbacks", {})
+    dropped = [k for k in keys if k in states and k not in have]
+    for key in dropped:
+        del states[key]
+    if dropped:
+        log.info("%s: one rank, so the checkpoint's %s state is not used", who, " and ".join(dropped))

@@ -5,9 +5,12 @@ Two modes (see the class docstring for the settings):
 * **Rounds** (default, ``local_steps > 1``): each rank steps its own replica with its own optimizer on fresh
   gradients; its local progress travels every round through
   :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` (design, invariants and papers there), optionally
-  compressed, and comes back as the round's global step at most ``staleness`` rounds later. Rounds have a wall-clock
-  length, so fast ranks take more local steps; with ``claim_batches`` (on by default where the loop allows it) they
-  also train on more of each epoch's batches instead of waiting at its end.
+  compressed, and comes back as the round's global step at most ``staleness`` rounds later. By default the run
+  starts with 20 synchronous steps (``warmup_steps``), every round is ``local_steps`` steps on every rank, and an
+  :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` the strategy adds gives a slow rank a smaller share of
+  each step's batch (``adaptive_batch``), so every rank ends its round at about the same time. Rounds of wall-clock
+  length (``dynamic_local_steps``) and claimed batches (``claim_batches``) let fast ranks take more steps and batches
+  instead.
 * **Per step** (``local_steps=1``): gradients travel in the background through
   :class:`~lightning_syncasync.algorithms.ssp.SSPExchange`, optionally compressed, after a stale gradient is
   compensated (:class:`~lightning_syncasync.algorithms.ssp.StaleGradientCompensation`); every replica
@@ -63,7 +66,7 @@ from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
 from lightning_syncasync.strategies._sigterm import SigtermScope
-from lightning_syncasync.strategies._state import CheckpointedAlgorithm
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm, drop_added_callback_states
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
 log = logging.getLogger(__name__)
@@ -250,10 +253,11 @@ class AsyncSSPStrategy(
     * **Rounds** (``local_steps > 1``, the default): async local SGD
       (:class:`~lightning_syncasync.algorithms.averaging.RoundExchange`). Every rank trains its own replica with its
       own optimizer on fresh gradients; every round its local progress (a pseudo-gradient) goes into a background
-      exchange, and the round's global step comes back ``staleness`` rounds later at most. Rounds have a
-      wall-clock length, so a fast rank takes more local steps and a straggler fewer, and nobody waits for the
-      slowest at a round boundary. This is what learns with Adam-family optimizers: a stale gradient stops Adam
-      learning (0.722 -> 0.242 on the convnet, ``scripts/delayed_gradients.py``), a stale round costs little.
+      exchange, and the round's global step comes back ``staleness`` rounds later at most. A rank waits for a
+      slower one only at the staleness bound, and by default a slow rank's batches shrink to its speed
+      (``adaptive_batch``), so it rarely does. This is what learns with Adam-family optimizers: a stale gradient
+      stops Adam learning (0.722 -> 0.242 on the convnet, ``scripts/delayed_gradients.py``), a stale round costs
+      little.
     * **Steps** (``local_steps=1``): every gradient shipped in the background and applied by every replica
       (:class:`~lightning_syncasync.algorithms.ssp.SSPExchange`), with stale-gradient compensation; for SGD-style
       workloads.
@@ -269,13 +273,15 @@ class AsyncSSPStrategy(
             8 to reach 0.97, at a time to the rule target 1.08x [0.98-1.18] as short (a tie); against DDP 1.13x
             [1.03-1.24] its samples over 35 pairs (25 reaching 0.97), where 8 needed 1.24x [1.14-1.35] over 30. On
             the held-out kind of workload, the convnet with SGD and momentum in ``scripts/local_steps_study.py``,
-            rounds of 4 need 1.04x [0.92-1.15] DDP's steps to 0.945 (8: 1.55x [1.39-1.76]).
+            rounds of 4 need 1.04x [0.92-1.15] DDP's steps to 0.945 (8: 1.55x [1.39-1.76]). Those are the former
+            defaults' rounds; with the defaults of ``warmup_steps`` the same holds (rounds of 8 there: 1.33x).
         outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
             (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the Nesterov variants' settings.
         outer_momentum_every: rounds per momentum update of ``delayed_nesterov``.
-        dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed
-            (``False``: every round is ``local_steps`` steps on every rank, a deterministic trajectory).
+        dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed.
+            Default ``False``: every round is ``local_steps`` steps on every rank (a deterministic trajectory), and
+            ``adaptive_batch`` balances the ranks' speeds instead (see ``warmup_steps`` for the measurement).
         round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
         compensation: per-step mode only: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
             ``algorithms/ssp/compensation.py``).
@@ -294,15 +300,34 @@ class AsyncSSPStrategy(
             all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
             ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
             every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
-            whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints), off
-            otherwise, in per-step mode and at one rank.
+            whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints, no
+            ``AdaptiveBatchSize``), off otherwise, in per-step mode and at one rank. Default ``False`` (the default
+            until 2026-12-05 was ``None``): a fast rank taking more batches learned less per sample than balanced
+            batches (``warmup_steps``).
         warmup_steps: rounds only: steps of synchronous training first, every rank's gradients averaged before each
             step (DDP's update, on every replica alike), as in post-local SGD (Lin et al., 2020); the rounds start
             from there. Under ``claim_batches`` the warm-up's batches are dealt in turn (every rank the same number),
-            so no rank's average waits for a peer that ran out. Default 0: 20 steps on ``mid_run_straggler_long``
-            (5 seeds) did not learn more per sample (1.18x [0.90-1.56] DDP's samples to 0.97, 3 of 5 reaching it,
-            against 1.12x [0.96-1.32] and 4 of 5 without) and reached the rule target later (0.80x [0.67-0.94]
-            the time of rounds without it).
+            so no rank's average waits for a peer that ran out. ``None`` (default): 20 steps
+            (``DEFAULT_WARMUP_STEPS``), a tenth of a run of fewer than 200 ``max_steps``, none at one rank; ``0``
+            starts the rounds at the first step. The defaults together (this warm-up, rounds of a fixed step count,
+            no claimed batches, ``AdaptiveBatchSize``) are ``auto_sync``'s async mode, chosen on the four
+            asynchronous MNIST scenarios (5 seeds each beside DDP, docs/benchmarks.md, pooled section):
+            1.02x [0.89-1.15] DDP's samples to 0.97 over 20 seed pairs, 16 reaching 0.97 (the 4 others ended
+            0.964-0.967), final -0.09 [-0.25..+0.06] points, DDP's time to the rule target over its own 1.50x
+            [1.39-1.64]. With rounds of 8 instead: 1.02x [0.95-1.10], 19 of 20, 1.51x, but 1.33x DDP's steps on
+            the held-out SGD workload below, so 4 stays. The former defaults (rounds of wall-clock length, claimed
+            batches, no warm-up) needed 1.13x [1.03-1.24] DDP's samples over 35 pairs, 25 reaching 0.97, at 1.37x
+            [1.26-1.48] (those intervals are each against DDP in its own invocations, not paired). No lever alone
+            did it: the warm-up with the former rounds (``mid_run_straggler_long``: 1.18x, 3 of 5), balanced rounds
+            without the warm-up (``jitter_long``: 1.51x, 2 of 5). On the held-out kind of workload (the convnet
+            with SGD and momentum, ``scripts/local_steps_study.py``) the warm-up with rounds of 4 needs 1.05x
+            [0.96-1.15] DDP's steps to 0.945, rounds of 4 alone 1.04x; with rounds of 8 it needs 1.33x.
+        adaptive_batch: add an :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` (its defaults, leaving a
+            loader it cannot split as it is) when the Trainer has none: each rank's share of the global batch
+            follows its measured speed (its loss gradient weighted by that share, as under DDP, where it makes the
+            average the mean over the global batch). ``None`` (default): in round mode unless ``claim_batches`` is
+            on or ``None``, never at one rank. ``True`` with claimed batches is refused (both replace the loader's
+            sampler).
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
@@ -323,7 +348,7 @@ class AsyncSSPStrategy(
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_momentum_every: int = 2,
-        dynamic_local_steps: bool = True,
+        dynamic_local_steps: bool = False,
         round_s: float | None = None,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
@@ -332,14 +357,22 @@ class AsyncSSPStrategy(
         peer_timeout_s: float = 60.0,
         round_interval_s: float = 0.005,
         exchange_every: int = 1,
-        claim_batches: bool | None = None,
-        warmup_steps: int = 0,
+        claim_batches: bool | None = False,
+        warmup_steps: int | None = None,
+        adaptive_batch: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_async(staleness, compensation, lam)
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 starts the rounds "
-                             "at the first step")  # fmt: skip
+        if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
+            raise ValueError(f"warmup_steps must be an integer >= 0 or None, got {warmup_steps!r}; HINT: None (the "
+                             "default: 20 steps, a tenth of a shorter run), or 0 starts the rounds at the first "
+                             "step")  # fmt: skip
+        if adaptive_batch and claim_batches is not False:
+            raise ValueError(
+                f"adaptive_batch=True and claim_batches={claim_batches}: both replace the training loader's sampler "
+                "(per-rank batch sizes against a shared queue of batches). HINT: claim_batches=False (the default) "
+                "to rebalance batches, or adaptive_batch=False to claim them"
+            )
         if warmup_steps and not (isinstance(local_steps, int) and local_steps > 1):
             raise ValueError(
                 f"warmup_steps={warmup_steps} is a synchronous start before the rounds, and local_steps={local_steps} "
@@ -347,6 +380,12 @@ class AsyncSSPStrategy(
             )
         # The staleness bound counts rounds (an integer) only in round mode; per-step mode also takes None (ASP).
         check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, round_s)
+        if round_s is not None and not dynamic_local_steps:
+            raise ValueError(
+                f"round_s={round_s} is a wall-clock round length, and dynamic_local_steps=False (the default since "
+                "2026-12-05) makes every round local_steps steps long. HINT: dynamic_local_steps=True with round_s, "
+                "or round_s=None"
+            )
         check_outer(outer, outer_lr, outer_momentum, outer_momentum_every)
         check_common("async_ssp does not all-reduce gradients", compression, compression_options, peer_timeout_s,
                      kwargs, type(self), wraps_ddp=False)  # fmt: skip
@@ -370,6 +409,8 @@ class AsyncSSPStrategy(
         self.exchange_every = exchange_every
         self.claim_batches = claim_batches
         self.warmup_steps = warmup_steps
+        self.adaptive_batch = adaptive_batch
+        self._warmup = 0  # warmup_steps as resolved for this fit (None: from the run's length)
         self._warm_group: dist.ProcessGroup | None = None
         self._claiming = False  # claim_batches as decided for this fit
         self.planned_steps: int | None = None  # with claim_batches: the user's max_steps, now a budget over ranks
@@ -395,11 +436,42 @@ class AsyncSSPStrategy(
         return self.local_steps > 1
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not self._adds_adaptive_batch() or self.lightning_module is None:
+            return
+        from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize  # callbacks sit above strategies
+
+        trainer = self.lightning_module.trainer
+        if not any(isinstance(c, AdaptiveBatchSize) for c in trainer.callbacks):
+            # required=False: a loader it cannot split (iterable dataset, custom batch sampler) trains with even
+            # batches instead of failing on a callback the user did not add.
+            trainer.callbacks.append(AdaptiveBatchSize(required=False))
+            log.info("async_ssp: added AdaptiveBatchSize (adaptive_batch), so a slow rank's rounds take fewer samples")
+
+    def _adds_adaptive_batch(self) -> bool:
+        """``adaptive_batch`` for this fit: as set, or (``None``) on with rounds unless batches are claimed; never
+        at one rank (no other rank to balance against)."""
+        if self.world_size == 1:
+            return False
+        if self.adaptive_batch is not None:
+            return self.adaptive_batch
+        return self.round_mode and self.claim_batches is False
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.world_size == 1 and self.adaptive_batch is not False and self.lightning_module is not None:
+            drop_added_callback_states(checkpoint, self.lightning_module.trainer.callbacks, ("AdaptiveBatchSize",),
+                                       "async_ssp", log)  # fmt: skip
+        return checkpoint
+
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         # The rounds' and the SSP exchange's group: their collectives run on a thread (exchange_backend).
         self._group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s), backend=exchange_backend())
-        if self.warmup_steps:
+        if self.round_mode and self.warmup_steps != 0:
             # The warm-up's gradient average: on the training thread, apart from the rounds' thread and group.
             self._warm_group = dist.new_group(timeout=timedelta(seconds=self.peer_timeout_s))
 
@@ -421,10 +493,10 @@ class AsyncSSPStrategy(
         optimizer = check_async_fit(self.optimizers, self.precision_plugin, "async_ssp")
         self._optimizer = optimizer
         self._sigterm.install(trainer)  # the rank alone: it trains apart
-        if self.warmup_steps and self.round_mode:
-            _check_warmup(trainer, self.warmup_steps)  # before claim_batches turns max_steps into a budget
+        self._warmup = self._resolve_warmup(trainer)  # before claim_batches turns max_steps into a budget
+        if self._warmup:
             log.info("async_ssp: %d synchronous steps (gradients averaged over the %d ranks) before the rounds start",
-                     self.warmup_steps, self.world_size)  # fmt: skip
+                     self._warmup, self.world_size)  # fmt: skip
         self._claiming = self._decide_claiming(trainer)
         if self._claiming:
             self._claim_budget = _claim_budget(trainer, self.world_size)
@@ -479,14 +551,40 @@ class AsyncSSPStrategy(
         sampler = self._claim_sampler
         return None if sampler is None else -(-sampler.position // self.world_size)
 
+    def _resolve_warmup(self, trainer: pl.Trainer) -> int:
+        """``warmup_steps`` for this fit: as set, or (``None``) ``DEFAULT_WARMUP_STEPS``, a tenth of a run with
+        fewer than ten times as many steps (so a short run still trains in rounds), none at one rank."""
+        if not self.round_mode:
+            return 0
+        if self.warmup_steps is not None:
+            if self.warmup_steps:
+                _check_warmup(trainer, self.warmup_steps)
+            return self.warmup_steps
+        if self.world_size == 1:
+            return 0  # one replica: an average of one gradient is the gradient
+        if trainer.max_steps > 0:
+            return min(DEFAULT_WARMUP_STEPS, trainer.max_steps // 10)
+        return DEFAULT_WARMUP_STEPS
+
     def _decide_claiming(self, trainer: pl.Trainer) -> bool:
         """``claim_batches`` for this fit: as set, or (``None``) on with rounds when the loop allows it."""
+        from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize  # callbacks sit above strategies
+
+        has_abs = any(isinstance(c, AdaptiveBatchSize) for c in trainer.callbacks)
+        if self.claim_batches and has_abs:
+            raise ValueError(
+                "async_ssp(claim_batches=True) with an AdaptiveBatchSize callback: both replace the training "
+                "loader's sampler (a shared queue of batches against per-rank batch sizes). HINT: drop one of them"
+            )
         if self.claim_batches is not None:
             return self.claim_batches
         if not self.round_mode:
             return False
         if self.world_size == 1:
             return False  # no other rank to share the batches with; a claim would cost a store round trip per batch
+        if has_abs:
+            log.info("async_ssp: claim_batches left off: AdaptiveBatchSize balances the batches instead")
+            return False
         try:
             _claim_budget(trainer, self.world_size)
         except ValueError as reason:
@@ -523,7 +621,7 @@ class AsyncSSPStrategy(
             seed=seed,
             drop_last=loader.drop_last,
             budget=self._claim_budget,
-            lockstep=self.warmup_steps,
+            lockstep=self._warmup,
             # A straggler leaves an epoch's tail to the fast ranks, so they do not wait for its last batch at the cut.
             pace=lambda: self.rounds.step_times if self.rounds is not None else None,
         )
@@ -565,7 +663,7 @@ class AsyncSSPStrategy(
         """Whether this step is one of the synchronous warm-up's: every rank has taken the same number of steps
         until its end (lockstep), so ``global_step`` is the same on every rank here."""
         module = self.lightning_module
-        return bool(self.warmup_steps) and module is not None and module.trainer.global_step < self.warmup_steps
+        return bool(self._warmup) and module is not None and module.trainer.global_step < self._warmup
 
     def _averaged(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure``, then its gradients averaged over every rank (a parameter without one counts as zeros, as in
@@ -671,6 +769,11 @@ def follow_global_progress(
             original(scheduler, metric)
 
     module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+
+
+DEFAULT_WARMUP_STEPS = 20
+"""``warmup_steps=None``'s synchronous start (``_resolve_warmup``): what ``auto_sync`` does before its first
+decision, and what ``async_ssp_auto_like`` measured with (docs/benchmarks.md)."""
 
 
 def _check_warmup(trainer: pl.Trainer, warmup_steps: int) -> None:

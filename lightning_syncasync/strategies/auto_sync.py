@@ -64,7 +64,7 @@ from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
-from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
+from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers, drop_added_callback_states
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.async_ssp import (
@@ -204,17 +204,9 @@ class AutoSyncStrategy(
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if self.switcher and self.world_size == 1 and self.lightning_module is not None:
-            # A checkpoint of more ranks holds the state of the SyncSwitcher this strategy added there (and of the
-            # AdaptiveBatchSize the switcher added). At one rank neither is added, and Lightning would tell the user
-            # to add them ("callbacks used to create the checkpoint need to be provided"): their state is dropped
-            # instead, unless the user passed such a callback, which then gets it.
-            have = {c.state_key for c in self.lightning_module.trainer.callbacks}
-            states = checkpoint.get("callbacks", {})
-            dropped = [k for k in ("SyncSwitcher", "AdaptiveBatchSize") if k in states and k not in have]
-            for key in dropped:
-                del states[key]
-            if dropped:
-                log.info("auto_sync: one rank, so the checkpoint's %s state is not used", " and ".join(dropped))
+            # The SyncSwitcher this strategy adds at more ranks, and the AdaptiveBatchSize the switcher adds.
+            drop_added_callback_states(checkpoint, self.lightning_module.trainer.callbacks,
+                                       ("SyncSwitcher", "AdaptiveBatchSize"), "auto_sync", log)  # fmt: skip
         return checkpoint
 
     @override

@@ -60,6 +60,12 @@ class Record(Callback):
         )
 
 
+# The default until 2026-12-05, which these tests of wall-clock rounds and claimed batches ask for by name: rounds of
+# wall-clock length, claimed batches where the loop allows, no warm-up (the default now: 20 synchronous steps, rounds
+# of a fixed step count, AdaptiveBatchSize, tested below).
+WALL_CLOCK = {"dynamic_local_steps": True, "claim_batches": None, "warmup_steps": 0}
+
+
 def _fit(out: Path, strategy, model, devices=2, steps=16, ckpt_path=None, callbacks=(), **trainer_kwargs):
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
@@ -76,9 +82,9 @@ def _fit(out: Path, strategy, model, devices=2, steps=16, ckpt_path=None, callba
 
 @pytest.mark.timeout(300)
 def test_every_step_counts_once_and_the_fast_rank_takes_more_under_a_straggler(tmp_path):
-    # Rank 1 sleeps 40 ms a step. Rounds of wall-clock length and claimed batches (on by default here: validation
-    # is at epoch ends) let rank 0 take more steps; the merged model must hold every step of both exactly.
-    res, trainer = _fit(tmp_path, AsyncSSPStrategy(local_steps=4, start_method="fork"),
+    # Rank 1 sleeps 40 ms a step. Rounds of wall-clock length and claimed batches (on with claim_batches=None here:
+    # validation is at epoch ends) let rank 0 take more steps; the merged model must hold every step of both exactly.
+    res, trainer = _fit(tmp_path, AsyncSSPStrategy(local_steps=4, start_method="fork", **WALL_CLOCK),
                         ConstantGradModel(slow_rank=1, delay=0.04), steps=24, limit_val_batches=0)  # fmt: skip
     steps = [r["steps"] for r in res]
     assert sum(steps) >= 48 and steps[0] > 1.5 * steps[1], steps  # the budget over ranks; the fast rank took more
@@ -109,7 +115,8 @@ def test_a_synchronous_warm_up_steps_every_replica_alike_then_the_rounds_start(t
     # averaged, so after step k both replicas hold -lr x 1.5 x k exactly, and the slow rank's dealt batches keep the
     # two in step (16 batches an epoch: 6 dealt to each, the other 4 claimed). Then the rounds let rank 0 take more,
     # and the merged model still holds every step of both exactly once.
-    strategy = AsyncSSPStrategy(local_steps=2, warmup_steps=6, peer_timeout_s=20, start_method="fork")
+    settings = {**WALL_CLOCK, "warmup_steps": 6}
+    strategy = AsyncSSPStrategy(local_steps=2, peer_timeout_s=20, start_method="fork", **settings)
     res, _ = _fit(tmp_path, strategy, ConstantGradModel(slow_rank=1, delay=0.04), steps=24, limit_val_batches=0,
                   callbacks=[Early(str(tmp_path), 6)])  # fmt: skip
     early = [torch.load(tmp_path / f"early{r}.pt") for r in range(2)]
@@ -131,7 +138,8 @@ def test_an_epoch_end_collective_is_a_cut_not_a_deadlock(tmp_path):
     # reduction of train_loss (no validation to cut first). Before the fix it never ended its round there, and rank 0
     # timed out at the bound (PeerLostError after peer_timeout_s). Now the reduction cuts first: no hang, every step
     # counted once, the merged model everywhere.
-    strategy = AsyncSSPStrategy(local_steps=2, dynamic_local_steps=False, peer_timeout_s=20, start_method="fork")
+    strategy = AsyncSSPStrategy(local_steps=2, peer_timeout_s=20, start_method="fork", claim_batches=None,
+                                warmup_steps=0)  # fmt: skip
     res, _ = _fit(tmp_path, strategy, EpochLoggedConstantGradModel(slow_rank=1, delay=0.03), steps=48,
                   limit_val_batches=0)  # fmt: skip
     steps = [r["steps"] for r in res]
@@ -148,7 +156,7 @@ def test_an_epoch_end_collective_is_a_cut_not_a_deadlock(tmp_path):
 def test_learning_rate_schedules_follow_global_progress_under_claimed_batches(tmp_path):
     # Rank 1 is 4x slower: rank 0 takes most of the 2 x 24 batches. Its schedule must not run out (lr 0) half-way
     # while rank 1's lags: both follow the steps DDP would have taken, batches claimed over ranks / 2.
-    res, trainer = _fit(tmp_path, AsyncSSPStrategy(local_steps=4, start_method="fork"),
+    res, trainer = _fit(tmp_path, AsyncSSPStrategy(local_steps=4, start_method="fork", **WALL_CLOCK),
                         ScheduledModel(slow_rank=1, delay=0.04, total=24), steps=24, limit_val_batches=0)  # fmt: skip
     steps = [r["steps"] for r in res]
     assert steps[0] > 1.5 * steps[1], steps
@@ -213,8 +221,11 @@ def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, wha
         ({"outer_lr": 0.0}, "outer_lr must be > 0"),
         ({"outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\)"),
         ({"round_s": 0.0}, "round_s must be > 0"),
+        ({"round_s": 2.0}, "round_s=2.0 is a wall-clock round length"),
         ({"outer_momentum_every": 0}, "outer_momentum_every"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+        ({"adaptive_batch": True, "claim_batches": True}, "both replace the training loader's sampler"),
+        ({"adaptive_batch": True, "claim_batches": None}, "both replace the training loader's sampler"),
         ({"warmup_steps": 4, "local_steps": 1, "staleness": 1}, "warmup_steps=4 is a synchronous start"),
     ],
 )
@@ -222,6 +233,57 @@ def test_bad_round_settings_are_refused_with_a_hint(kwargs, match):
     with pytest.raises(ValueError, match=match) as err:
         AsyncSSPStrategy(**kwargs)
     assert "HINT" in str(err.value)
+
+
+class Balance(Callback):
+    """Each rank's AdaptiveBatchSize callbacks at the end of fit: (required, split in force, decisions taken)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module):
+        from lightning_syncasync.callbacks import AdaptiveBatchSize
+
+        found = [(c.required, c.current_sizes, len(c.decisions)) for c in trainer.callbacks
+                 if isinstance(c, AdaptiveBatchSize)]  # fmt: skip
+        torch.save(found, Path(self.out) / f"balance{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_the_defaults_warm_up_then_run_fixed_rounds_with_batches_balanced_to_speed(tmp_path):
+    # max_steps=40: the warm-up is a tenth of the run (min(20, 40 // 10) = 4 synchronous steps, replicas alike); then
+    # rounds of 4 steps on both ranks (no claimed batches: each rank takes max_steps), and the AdaptiveBatchSize the
+    # strategy adds gives rank 1, which sleeps 40 ms a step, the smaller share of each step's batch.
+    seen = [Early(str(tmp_path), 6), Balance(str(tmp_path))]
+    res, _ = _fit(tmp_path, AsyncSSPStrategy(start_method="fork"), TinyAdamModel(slow_rank=1, delay=0.04),
+                  steps=40, limit_val_batches=0, callbacks=seen)  # fmt: skip
+    early = [torch.load(tmp_path / f"early{r}.pt") for r in range(2)]
+    for k in range(4):
+        assert torch.equal(early[0][k], early[1][k]), k  # the warm-up: every replica takes the averaged step
+    assert not torch.equal(early[0][5], early[1][5])  # then each trains its own replica on its own batches
+    assert [r["steps"] for r in res] == [40, 40]
+    for r in res:
+        # Rounds of 4 steps; a round cut short by a cut (an epoch's end) has fewer.
+        assert max(r["local_steps"]) == 4 and sum(r["local_steps"]) == 40 - 4, r["local_steps"]
+    balance = [torch.load(tmp_path / f"balance{r}.pt") for r in range(2)]
+    for found in balance:
+        assert len(found) == 1 and found[0][0] is False, found  # one, added by the strategy, not required
+    ((_, sizes, decisions),) = balance[0]
+    assert decisions >= 1 and sizes is not None and sizes[1] < sizes[0], (sizes, decisions)
+    assert torch.equal(res[0]["final"], res[1]["final"])  # the end of fit's cut: one merged model
+
+
+@pytest.mark.timeout(300)
+def test_the_defaults_train_an_iterable_dataset_with_even_batches(tmp_path):
+    # AdaptiveBatchSize cannot split an iterable dataset's batches by index: the one the strategy added steps aside
+    # (with a log line) instead of failing a run on a callback the user never asked for.
+    from _models import IterableDataModel
+
+    res, _ = _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), IterableDataModel(), steps=4,
+                  limit_val_batches=0, callbacks=[Balance(str(tmp_path))])  # fmt: skip
+    assert [r["steps"] for r in res] == [4, 4]
+    for r in range(2):
+        assert torch.load(tmp_path / f"balance{r}.pt") == [(False, None, 0)]
 
 
 def test_per_step_mode_still_takes_asp():

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_syncasync  # noqa: F401  (registers the strategy names)
 from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
-from lightning_syncasync.callbacks import SyncSwitcher
+from lightning_syncasync.callbacks import AdaptiveBatchSize, SyncSwitcher
 from lightning_syncasync.callbacks.watchdog import PeerWatchdog
 from lightning_syncasync.strategies.async_ssp import AsyncSSPStrategy
 
@@ -81,6 +81,7 @@ def test_async_ssp_at_one_rank_claims_no_batches_unless_asked(tmp_path):
     _, seen, _ = _fit(AsyncSSPStrategy(), tmp_path / "default")
     assert seen.batch_sampler is not ClaimingBatchSampler  # no other rank to share the epoch with
     assert PeerWatchdog not in seen.callbacks
+    assert AdaptiveBatchSize not in seen.callbacks  # nor to balance batches against
     _, seen, _ = _fit(AsyncSSPStrategy(claim_batches=True), tmp_path / "asked")
     assert seen.batch_sampler is ClaimingBatchSampler
 
@@ -129,21 +130,28 @@ def test_a_checkpoint_with_residuals_of_more_ranks_resumes_at_one_rank(tmp_path)
 
 
 @pytest.mark.timeout(180)
-def test_auto_sync_resumes_a_two_rank_checkpoint_at_one_rank_without_asking_for_the_callbacks_it_added(tmp_path):
+@pytest.mark.parametrize(("name", "added"), [("auto_sync", {"SyncSwitcher", "AdaptiveBatchSize"}),
+                                             ("async_ssp", {"AdaptiveBatchSize"})])  # fmt: skip
+def test_a_two_rank_checkpoint_resumes_at_one_rank_without_asking_for_the_callbacks_the_strategy_added(
+    tmp_path, name, added
+):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 
+    make = {"auto_sync": AutoSyncStrategy, "async_ssp": AsyncSSPStrategy}[name]
+
     def checkpoints() -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
 
-    # At two ranks auto_sync adds a SyncSwitcher, which adds AdaptiveBatchSize: both save state.
-    Trainer(accelerator="cpu", devices=2, strategy=AutoSyncStrategy(start_method="fork"), max_steps=2, logger=False,
+    # At two ranks auto_sync adds a SyncSwitcher, which adds AdaptiveBatchSize; async_ssp adds AdaptiveBatchSize: they
+    # save state.
+    Trainer(accelerator="cpu", devices=2, strategy=make(start_method="fork"), max_steps=2, logger=False,
             default_root_dir=tmp_path, callbacks=[checkpoints()], enable_progress_bar=False,
             enable_model_summary=False).fit(TinyAdamModel())  # fmt: skip
     path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
-    assert {"SyncSwitcher", "AdaptiveBatchSize"} <= set(torch.load(path, weights_only=False)["callbacks"])
-    resumed = Trainer(accelerator="cpu", devices=1, strategy=AutoSyncStrategy(), max_steps=4, logger=False,
+    assert added <= set(torch.load(path, weights_only=False)["callbacks"])
+    resumed = Trainer(accelerator="cpu", devices=1, strategy=make(), max_steps=4, logger=False,
                       default_root_dir=tmp_path, callbacks=[checkpoints()], enable_progress_bar=False,
                       enable_model_summary=False)  # fmt: skip
     with warnings.catch_warnings(record=True) as said:
@@ -151,4 +159,4 @@ def test_auto_sync_resumes_a_two_rank_checkpoint_at_one_rank_without_asking_for_
         resumed.fit(TinyAdamModel(), ckpt_path=str(path))
     assert resumed.global_step == 4
     asked = [str(w.message) for w in said if "callbacks used to create the checkpoint" in str(w.message)]
-    assert not asked, asked  # Lightning asked the user to add the SyncSwitcher and AdaptiveBatchSize before
+    assert not asked, asked  # Lightning asked the user to add the callbacks the strategy had added
