@@ -299,7 +299,7 @@ class AsyncSSPStrategy(
             more of them instead of waiting at every epoch end for a slower one. ``max_steps`` then is a budget over
             all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
             ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
-            every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
+            every_n_train_steps=...)`` count per-rank batches and are refused). ``None``: on with rounds
             whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints, no
             ``AdaptiveBatchSize``), off otherwise, in per-step mode and at one rank. Default ``False`` (the default
             until 2026-12-05 was ``None``): a fast rank taking more batches learned less per sample than balanced
