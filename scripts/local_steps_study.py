@@ -82,13 +82,12 @@ WORKLOADS = {
 # target's crossing moves with every wobble of the last validations, a steep one's with learning.
 LOW_TARGETS = {"lm": 0.27, "mnist": 0.96}
 # The mnist workload's round length is async_ssp's default of the study's first runs (8); the rounds are 4 steps
-# since 2026-12-05, and the same day 20 synchronous steps came first (docs/benchmarks.md, pooled over the emulated
-# scenarios): the rows say which is which.
+# since 2026-12-05 (docs/benchmarks.md, pooled over the emulated scenarios): the rows say which is which.
 RELABEL = {
     ("mnist", "base"): "rounds of 8 local steps, plain average (async_ssp's rounds until 2026-12-05)",
     ("mnist", "half_rounds"): "rounds of 4 local steps (async_ssp's rounds since 2026-12-05)",
-    ("mnist", "warmup_20_h4"): "20 synchronous steps, then rounds of 4 a round late (async_ssp's default start and "
-    "rounds since 2026-12-05; its balanced batches need stragglers, emulated)",
+    ("mnist", "warmup_20_h4"): "20 synchronous steps, then rounds of 4 a round late (the start and rounds of "
+    "async_ssp's balanced rounds; their balanced batches need stragglers, emulated)",
 }
 # SGD (lr 0.05, momentum 0.9; DDP with lr 0.01, 0.02 or 0.1 ended lower on seeds 0-1, docs/benchmarks.md) plateaus
 # near 0.96, below Adam's 0.97: its target is the benchmarks' rule on DDP's curves, the highest level every DDP seed

@@ -5,12 +5,11 @@ Two modes (see the class docstring for the settings):
 * **Rounds** (default, ``local_steps > 1``): each rank steps its own replica with its own optimizer on fresh
   gradients; its local progress travels every round through
   :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` (design, invariants and papers there), optionally
-  compressed, and comes back as the round's global step at most ``staleness`` rounds later. By default the run
-  starts with 20 synchronous steps (``warmup_steps``), every round is ``local_steps`` steps on every rank, and an
-  :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` the strategy adds gives a slow rank a smaller share of
-  each step's batch (``adaptive_batch``), so every rank ends its round at about the same time. Rounds of wall-clock
-  length (``dynamic_local_steps``) and claimed batches (``claim_batches``) let fast ranks take more steps and batches
-  instead.
+  compressed, and comes back as the round's global step at most ``staleness`` rounds later. Rounds have a wall-clock
+  length, so fast ranks take more local steps; with ``claim_batches`` (on by default where the loop allows it) they
+  also train on more of each epoch's batches instead of waiting at its end. ``auto_sync``'s async mode instead
+  (``warmup_steps=None, dynamic_local_steps=False, claim_batches=False``): 20 synchronous steps, rounds of a fixed
+  step count, and an :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` the strategy adds.
 * **Per step** (``local_steps=1``): gradients travel in the background through
   :class:`~lightning_syncasync.algorithms.ssp.SSPExchange`, optionally compressed, after a stale gradient is
   compensated (:class:`~lightning_syncasync.algorithms.ssp.StaleGradientCompensation`); every replica
@@ -253,9 +252,9 @@ class AsyncSSPStrategy(
     * **Rounds** (``local_steps > 1``, the default): async local SGD
       (:class:`~lightning_syncasync.algorithms.averaging.RoundExchange`). Every rank trains its own replica with its
       own optimizer on fresh gradients; every round its local progress (a pseudo-gradient) goes into a background
-      exchange, and the round's global step comes back ``staleness`` rounds later at most. A rank waits for a
-      slower one only at the staleness bound, and by default a slow rank's batches shrink to its speed
-      (``adaptive_batch``), so it rarely does. This is what learns with Adam-family optimizers: a stale gradient
+      exchange, and the round's global step comes back ``staleness`` rounds later at most. Rounds have a
+      wall-clock length, so a fast rank takes more local steps and a straggler fewer, and nobody waits for the
+      slowest at a round boundary. This is what learns with Adam-family optimizers: a stale gradient
       stops Adam learning (0.722 -> 0.242 on the convnet, ``scripts/delayed_gradients.py``), a stale round costs
       little.
     * **Steps** (``local_steps=1``): every gradient shipped in the background and applied by every replica
@@ -273,15 +272,15 @@ class AsyncSSPStrategy(
             8 to reach 0.97, at a time to the rule target 1.08x [0.98-1.18] as short (a tie); against DDP 1.13x
             [1.03-1.24] its samples over 35 pairs (25 reaching 0.97), where 8 needed 1.24x [1.14-1.35] over 30. On
             the held-out kind of workload, the convnet with SGD and momentum in ``scripts/local_steps_study.py``,
-            rounds of 4 need 1.04x [0.92-1.15] DDP's steps to 0.945 (8: 1.55x [1.39-1.76]). Those are the former
-            defaults' rounds; with the defaults of ``warmup_steps`` the same holds (rounds of 8 there: 1.33x).
+            rounds of 4 need 1.04x [0.92-1.15] DDP's steps to 0.945 (8: 1.55x [1.39-1.76]); after a 20-step
+            synchronous start the same holds (4: 1.05x, 8: 1.33x).
         outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
             (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the Nesterov variants' settings.
         outer_momentum_every: rounds per momentum update of ``delayed_nesterov``.
-        dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed.
-            Default ``False``: every round is ``local_steps`` steps on every rank (a deterministic trajectory), and
-            ``adaptive_batch`` balances the ranks' speeds instead (see ``warmup_steps`` for the measurement).
+        dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed
+            (``False``: every round is ``local_steps`` steps on every rank, a deterministic trajectory; see
+            ``warmup_steps`` for the balanced rounds measured against these).
         round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
         compensation: per-step mode only: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
             ``algorithms/ssp/compensation.py``).
@@ -299,36 +298,28 @@ class AsyncSSPStrategy(
             more of them instead of waiting at every epoch end for a slower one. ``max_steps`` then is a budget over
             all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
             ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
-            every_n_train_steps=...)`` count per-rank batches and are refused). ``None``: on with rounds
+            every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
             whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints, no
-            ``AdaptiveBatchSize``), off otherwise, in per-step mode and at one rank. Default ``False`` (the default
-            until 2026-12-05 was ``None``): a fast rank taking more batches learned less per sample than balanced
-            batches (``warmup_steps``).
+            ``AdaptiveBatchSize``), off otherwise, in per-step mode and at one rank.
         warmup_steps: rounds only: steps of synchronous training first, every rank's gradients averaged before each
             step (DDP's update, on every replica alike), as in post-local SGD (Lin et al., 2020); the rounds start
             from there. Under ``claim_batches`` the warm-up's batches are dealt in turn (every rank the same number),
-            so no rank's average waits for a peer that ran out. ``None`` (default): 20 steps
-            (``DEFAULT_WARMUP_STEPS``), a tenth of a run of fewer than 200 ``max_steps``, none at one rank; ``0``
-            starts the rounds at the first step. The defaults together (this warm-up, rounds of a fixed step count,
-            no claimed batches, ``AdaptiveBatchSize``) are ``auto_sync``'s async mode, chosen on the four
-            asynchronous MNIST scenarios (5 seeds each beside DDP, docs/benchmarks.md, pooled section):
-            1.02x [0.89-1.15] DDP's samples to 0.97 over 20 seed pairs, 16 reaching 0.97 (the 4 others ended
-            0.964-0.967), final -0.09 [-0.25..+0.06] points, DDP's time to the rule target over its own 1.50x
-            [1.39-1.64]. With rounds of 8 instead: 1.02x [0.95-1.10], 19 of 20, 1.51x, but 1.33x DDP's steps on
-            the held-out SGD workload below, so 4 stays. The former defaults (rounds of wall-clock length, claimed
-            batches, no warm-up) needed 1.13x [1.03-1.24] DDP's samples over 35 pairs, 25 reaching 0.97, at 1.37x
-            [1.26-1.48]. Those intervals are each against DDP in its own invocations. The one invocation that ran
-            both side by side (``mid_run_straggler_long``) is a tie: the new default needed 1.11x [0.74-1.46] the
-            former's samples, at 0.86x [0.72-1.03] its speed, with the former ahead by every point estimate. No
-            lever alone did it: the warm-up with the former rounds (``mid_run_straggler_long``: 1.18x, 3 of 5),
-            balanced rounds without the warm-up (``jitter_long``: 1.51x, 2 of 5). On the held-out kind of workload
-            (the convnet with SGD and momentum, ``scripts/local_steps_study.py``) the warm-up with rounds of 4 needs
-            1.05x [0.96-1.15] DDP's steps to 0.945, rounds of 4 alone 1.04x; with rounds of 8 it needs 1.33x.
+            so no rank's average waits for a peer that ran out. Default 0; ``None``: 20 steps
+            (``DEFAULT_WARMUP_STEPS``), a tenth of a run of fewer than 200 ``max_steps``, none at one rank.
+            ``warmup_steps=None, dynamic_local_steps=False, claim_batches=False`` is ``auto_sync``'s async mode
+            ("balanced rounds": the strategy then adds ``AdaptiveBatchSize``). Against DDP, pooled over the four
+            asynchronous MNIST scenarios (5 seeds each, docs/benchmarks.md), balanced rounds needed 1.02x
+            [0.89-1.15] DDP's samples to 0.97 over 20 seed pairs (16 reaching it), where these defaults needed
+            1.13x [1.03-1.24] over 35 (25). Side by side, though (``mid_run_straggler_long`` and ``straggler_long``,
+            10 pairs), balanced rounds needed 1.17x [0.90-1.49] these defaults' samples and reached the rule target
+            in 1.22x their time (their time over the balanced rounds' 0.82x [0.70-0.96]), so by the benchmarks'
+            rule (not slower, fewer samples) they did not become the default. 20 steps alone, with these rounds
+            (``mid_run_straggler_long``), did not learn more per sample (1.18x DDP's samples, 3 of 5).
         adaptive_batch: add an :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` (its defaults, leaving a
             loader it cannot split as it is) when the Trainer has none: each rank's share of the global batch
             follows its measured speed (its loss gradient weighted by that share, as under DDP, where it makes the
-            average the mean over the global batch). ``None`` (default): in round mode unless ``claim_batches`` is
-            on or ``None``, never at one rank. ``True`` with claimed batches is refused (both replace the loader's
+            average the mean over the global batch). ``None`` (default): in round mode when ``claim_batches`` is
+            ``False``, never at one rank. ``True`` with claimed batches is refused (both replace the loader's
             sampler).
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
@@ -350,7 +341,7 @@ class AsyncSSPStrategy(
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_momentum_every: int = 2,
-        dynamic_local_steps: bool = False,
+        dynamic_local_steps: bool = True,
         round_s: float | None = None,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
@@ -359,21 +350,21 @@ class AsyncSSPStrategy(
         peer_timeout_s: float = 60.0,
         round_interval_s: float = 0.005,
         exchange_every: int = 1,
-        claim_batches: bool | None = False,
-        warmup_steps: int | None = None,
+        claim_batches: bool | None = None,
+        warmup_steps: int | None = 0,
         adaptive_batch: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_async(staleness, compensation, lam)
         if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
-            raise ValueError(f"warmup_steps must be an integer >= 0 or None, got {warmup_steps!r}; HINT: None (the "
-                             "default: 20 steps, a tenth of a shorter run), or 0 starts the rounds at the first "
-                             "step")  # fmt: skip
+            raise ValueError(f"warmup_steps must be an integer >= 0 or None, got {warmup_steps!r}; HINT: 0 (the "
+                             "default) starts the rounds at the first step, None takes 20 steps (a tenth of a "
+                             "shorter run)")  # fmt: skip
         if adaptive_batch and claim_batches is not False:
             raise ValueError(
                 f"adaptive_batch=True and claim_batches={claim_batches}: both replace the training loader's sampler "
-                "(per-rank batch sizes against a shared queue of batches). HINT: claim_batches=False (the default) "
-                "to rebalance batches, or adaptive_batch=False to claim them"
+                "(per-rank batch sizes against a shared queue of batches). HINT: claim_batches=False to rebalance "
+                "batches, or adaptive_batch=False to claim them"
             )
         if warmup_steps and not (isinstance(local_steps, int) and local_steps > 1):
             raise ValueError(
@@ -384,9 +375,8 @@ class AsyncSSPStrategy(
         check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, round_s)
         if round_s is not None and not dynamic_local_steps:
             raise ValueError(
-                f"round_s={round_s} is a wall-clock round length, and dynamic_local_steps=False (the default since "
-                "2026-12-05) makes every round local_steps steps long. HINT: dynamic_local_steps=True with round_s, "
-                "or round_s=None"
+                f"round_s={round_s} is a wall-clock round length, and dynamic_local_steps=False makes every round "
+                "local_steps steps long. HINT: dynamic_local_steps=True (the default) with round_s, or round_s=None"
             )
         check_outer(outer, outer_lr, outer_momentum, outer_momentum_every)
         check_common("async_ssp does not all-reduce gradients", compression, compression_options, peer_timeout_s,

@@ -60,10 +60,11 @@ class Record(Callback):
         )
 
 
-# The default until 2026-12-05, which these tests of wall-clock rounds and claimed batches ask for by name: rounds of
-# wall-clock length, claimed batches where the loop allows, no warm-up (the default now: 20 synchronous steps, rounds
-# of a fixed step count, AdaptiveBatchSize, tested below).
+# The defaults, which these tests of wall-clock rounds and claimed batches ask for by name: rounds of wall-clock
+# length, claimed batches where the loop allows, no warm-up. BALANCED is auto_sync's async mode (20 synchronous steps,
+# rounds of a fixed step count, the AdaptiveBatchSize the strategy then adds), tested below.
 WALL_CLOCK = {"dynamic_local_steps": True, "claim_batches": None, "warmup_steps": 0}
+BALANCED = {"dynamic_local_steps": False, "claim_batches": False, "warmup_steps": None}
 
 
 def _fit(out: Path, strategy, model, devices=2, steps=16, ckpt_path=None, callbacks=(), **trainer_kwargs):
@@ -221,7 +222,7 @@ def test_a_nan_loss_stops_the_run_naming_the_rank_and_round(tmp_path, model, wha
         ({"outer_lr": 0.0}, "outer_lr must be > 0"),
         ({"outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\)"),
         ({"round_s": 0.0}, "round_s must be > 0"),
-        ({"round_s": 2.0}, "round_s=2.0 is a wall-clock round length"),
+        ({"round_s": 2.0, "dynamic_local_steps": False}, "round_s=2.0 is a wall-clock round length"),
         ({"outer_momentum_every": 0}, "outer_momentum_every"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
         ({"adaptive_batch": True, "claim_batches": True}, "both replace the training loader's sampler"),
@@ -250,12 +251,12 @@ class Balance(Callback):
 
 
 @pytest.mark.timeout(300)
-def test_the_defaults_warm_up_then_run_fixed_rounds_with_batches_balanced_to_speed(tmp_path):
+def test_balanced_rounds_warm_up_then_run_fixed_rounds_with_batches_balanced_to_speed(tmp_path):
     # max_steps=40: the warm-up is a tenth of the run (min(20, 40 // 10) = 4 synchronous steps, replicas alike); then
     # rounds of 4 steps on both ranks (no claimed batches: each rank takes max_steps), and the AdaptiveBatchSize the
     # strategy adds gives rank 1, which sleeps 40 ms a step, the smaller share of each step's batch.
     seen = [Early(str(tmp_path), 6), Balance(str(tmp_path))]
-    res, _ = _fit(tmp_path, AsyncSSPStrategy(start_method="fork"), TinyAdamModel(slow_rank=1, delay=0.04),
+    res, _ = _fit(tmp_path, AsyncSSPStrategy(start_method="fork", **BALANCED), TinyAdamModel(slow_rank=1, delay=0.04),
                   steps=40, limit_val_batches=0, callbacks=seen)  # fmt: skip
     early = [torch.load(tmp_path / f"early{r}.pt") for r in range(2)]
     for k in range(4):
@@ -274,13 +275,14 @@ def test_the_defaults_warm_up_then_run_fixed_rounds_with_batches_balanced_to_spe
 
 
 @pytest.mark.timeout(300)
-def test_the_defaults_train_an_iterable_dataset_with_even_batches(tmp_path):
+def test_balanced_rounds_train_an_iterable_dataset_with_even_batches(tmp_path):
     # AdaptiveBatchSize cannot split an iterable dataset's batches by index: the one the strategy added steps aside
     # (with a log line) instead of failing a run on a callback the user never asked for.
     from _models import IterableDataModel
 
-    res, _ = _fit(tmp_path, AsyncSSPStrategy(local_steps=2, start_method="fork"), IterableDataModel(), steps=4,
-                  limit_val_batches=0, callbacks=[Balance(str(tmp_path))])  # fmt: skip
+    strategy = AsyncSSPStrategy(local_steps=2, start_method="fork", **BALANCED)
+    res, _ = _fit(tmp_path, strategy, IterableDataModel(), steps=4, limit_val_batches=0,
+                  callbacks=[Balance(str(tmp_path))])  # fmt: skip
     assert [r["steps"] for r in res] == [4, 4]
     for r in range(2):
         assert torch.load(tmp_path / f"balance{r}.pt") == [(False, None, 0)]

@@ -4,6 +4,7 @@ Lightning's DDP does at one rank (DDP's division by a world of one and its sum o
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -139,13 +140,15 @@ def test_a_two_rank_checkpoint_resumes_at_one_rank_without_asking_for_the_callba
 
     from lightning_syncasync.strategies.auto_sync import AutoSyncStrategy
 
-    make = {"auto_sync": AutoSyncStrategy, "async_ssp": AsyncSSPStrategy}[name]
+    # async_ssp adds AdaptiveBatchSize with balanced rounds (no claimed batches, adaptive_batch=None).
+    balanced = functools.partial(AsyncSSPStrategy, dynamic_local_steps=False, claim_batches=False)
+    make = {"auto_sync": AutoSyncStrategy, "async_ssp": balanced}[name]
 
     def checkpoints() -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
 
-    # At two ranks auto_sync adds a SyncSwitcher, which adds AdaptiveBatchSize; async_ssp adds AdaptiveBatchSize: they
-    # save state.
+    # At two ranks auto_sync adds a SyncSwitcher, which adds AdaptiveBatchSize; balanced async_ssp adds
+    # AdaptiveBatchSize: they save state.
     Trainer(accelerator="cpu", devices=2, strategy=make(start_method="fork"), max_steps=2, logger=False,
             default_root_dir=tmp_path, callbacks=[checkpoints()], enable_progress_bar=False,
             enable_model_summary=False).fit(TinyAdamModel())  # fmt: skip
