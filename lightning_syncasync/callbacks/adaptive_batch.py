@@ -236,29 +236,16 @@ class AdaptiveBatchSize(Callback):
     def _replace_loader(self, trainer: pl.Trainer, loader: DataLoader) -> DataLoader:
         if isinstance(loader.batch_sampler, VariableBatchSampler):
             return loader
-        if not self.required:
-            why = _unsplittable(loader, self.global_batch)
-            if why is not None:
-                rank_zero_info(f"AdaptiveBatchSize: the training loader is left as it is (even batches): {why}")
-                return loader
-        dataset = loader.dataset
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise TypeError(
-                f"AdaptiveBatchSize needs a map-style dataset with __len__ to split each global batch by index; "
-                f"{type(dataset).__name__} is iterable. Use a map-style dataset, or drop AdaptiveBatchSize (an "
-                "iterable dataset decides batch composition itself)"
-            )
-        shuffle, seed = self._order_of(loader.sampler)
         world = trainer.world_size
-        if self.global_batch is not None:
-            global_batch = self.global_batch
-        elif loader.batch_size is not None:
-            global_batch = loader.batch_size * world
-        else:
-            raise ValueError(
-                "the training DataLoader has a custom batch_sampler, so its batch size is unknown; pass "
-                "AdaptiveBatchSize(global_batch=...) with the samples per step over all ranks"
-            )
+        try:
+            global_batch = self._global_batch_of(loader, world)
+        except (TypeError, ValueError) as why:
+            if self.required:
+                raise
+            rank_zero_info(f"AdaptiveBatchSize: the training loader is left as it is (even batches): {why}")
+            return loader
+        dataset = loader.dataset
+        shuffle, seed = self._order_of(loader.sampler)
         if global_batch < world * self.min_batch:
             raise ValueError(
                 f"global batch {global_batch} is smaller than {world} ranks x min_batch {self.min_batch}: some rank "
@@ -298,6 +285,24 @@ class AdaptiveBatchSize(Callback):
             + (f" (per node {global_batch // len(groups)})" if groups else "")
         )
         return DataLoader(dataset, **kwargs)
+
+    def _global_batch_of(self, loader: DataLoader, world: int) -> int:
+        """The samples per step over all ranks, or why this loader's batches cannot be split by index."""
+        dataset = loader.dataset
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"AdaptiveBatchSize needs a map-style dataset with __len__ to split each global batch by index; "
+                f"{type(dataset).__name__} is iterable. Use a map-style dataset, or drop AdaptiveBatchSize (an "
+                "iterable dataset decides batch composition itself)"
+            )
+        if self.global_batch is not None:
+            return self.global_batch
+        if loader.batch_size is not None:
+            return loader.batch_size * world
+        raise ValueError(
+            "the training DataLoader has a custom batch_sampler, so its batch size is unknown; pass "
+            "AdaptiveBatchSize(global_batch=...) with the samples per step over all ranks"
+        )
 
     def _order_of(self, sampler: object) -> tuple[bool, int]:
         # The replaced sampler says whether the epoch is shuffled and with which seed.
@@ -610,16 +615,6 @@ class AdaptiveBatchSize(Callback):
         self.decisions = list(state_dict.get("decisions", []))
         if state_dict.get("noise"):
             self.noise.load_state_dict(state_dict["noise"])
-
-
-def _unsplittable(loader: DataLoader, global_batch: int | None) -> str | None:
-    """Why the loader's global batch cannot be split by index (``None``: it can)."""
-    dataset = loader.dataset
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        return f"{type(dataset).__name__} is an iterable dataset"
-    if global_batch is None and loader.batch_size is None:
-        return "it has a custom batch_sampler, so its batch size is unknown"
-    return None
 
 
 def _node_groups(strategy: object) -> list[list[int]] | None:
