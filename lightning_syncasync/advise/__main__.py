@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync.advise.report import (
-    CANDIDATES,
+    ALL_CANDIDATES,
     MODEL_ERROR,
     MODEL_ERROR_CALIBRATED,
     Measurements,
@@ -83,12 +83,24 @@ def _at_least_one(name: str):
     return parse
 
 
+_SHARD = {"auto": None, "yes": True, "no": False}
+
+
+def _shard(text: str) -> bool | None:
+    if text not in _SHARD:
+        raise argparse.ArgumentTypeError(
+            f"--shard {text!r} is not one of auto, yes, no; HINT: --shard yes for a model that does not fit one "
+            "device (auto decides from its measured memory)"
+        )
+    return _SHARD[text]
+
+
 def _strategies(spec: str) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in names if s not in CANDIDATES]
+    unknown = [s for s in names if s not in ALL_CANDIDATES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"--strategies: unknown {unknown or spec!r}; HINT: a comma-separated subset of {', '.join(CANDIDATES)}"
+            f"--strategies: unknown {unknown or spec!r}; HINT: a comma-separated subset of {', '.join(ALL_CANDIDATES)}"
         )
     return names
 
@@ -142,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=Thresholds.powersgd_steps,
         help=f"the same for ddp_powersgd ({Thresholds.powersgd_steps:g}, measured on the LM)",
     )
+    p.add_argument(
+        "--shard",
+        type=_shard,
+        default=None,
+        metavar="{auto,yes,no}",
+        help="advise among the strategies that shard the model (fsdp, hsdp, hier_sync_sharded): yes, no, or auto "
+        "(default: when its replicated training state would take over half of a rank's memory)",
+    )
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then syncasync-train overrides")
     return p
 
@@ -157,7 +177,7 @@ def _default_overrides(experiment: str | None) -> tuple[list[str], str]:
 def _available() -> list[str]:
     # auto_sync is reserved until its strategy config ships; recommending it earlier would print a broken command.
     conf = resources.files("lightning_syncasync.conf") / "strategy" / "auto_sync.yaml"
-    return [s for s in CANDIDATES if s != "auto_sync" or conf.is_file()]
+    return [s for s in ALL_CANDIDATES if s != "auto_sync" or conf.is_file()]
 
 
 def _load_params(path: str | None) -> dict[str, float] | None:
@@ -216,6 +236,11 @@ def _print_measurements(m: Measurements, notes: list[str]) -> None:
             f"  compression codec (int8 encode or decode, slowest rank): {m.codec_s_per_byte * 1e9:.2f} s per GB of "
             "gradients (measured)"
         )
+    if m.state_bytes and m.device_bytes:
+        print(
+            "  training state per rank, replicated (parameters, gradients, optimizer state): "
+            f"{m.state_bytes / 1e6:.1f} MB; memory per rank: {m.device_bytes / 1e9:.1f} GB"
+        )
     for note in notes:
         print(f"  {note}")
 
@@ -237,10 +262,13 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
         f"({meas.backend}), {args.seconds:g} s of compute timing per rank"
     )
     _print_measurements(meas, notes)
-    available = [s for s in _available() if args.strategies is None or s in args.strategies or s == "ddp"]
+    # The synchronous anchors (ddp, fsdp for a sharded model) are always candidates: the others must beat them.
+    anchors = ("ddp", "fsdp")
+    available = [s for s in _available() if args.strategies is None or s in args.strategies or s in anchors]
     thresholds = Thresholds(
         allow_async=args.allow_async, local_sgd_steps=args.local_sgd_steps, powersgd_steps=args.powersgd_steps,
         model_error=MODEL_ERROR_CALIBRATED if params else MODEL_ERROR, later_stragglers=not args.no_later_stragglers,
+        shard=args.shard,
     )  # fmt: skip
     rec = recommend(meas, thresholds, available, params)
     if meas.flat_all_reduce_s:
@@ -255,7 +283,9 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
         )
     print("\ndecision flow")
     print("\n".join(rec.flow))
-    shown = {k: v for k, v in rec.predictions.items() if args.strategies is None or k in args.strategies or k == "ddp"}
+    shown = {
+        k: v for k, v in rec.predictions.items() if args.strategies is None or k in args.strategies or k in anchors
+    }
     source = f"calibrated ({args.params})" if params else "defaults, uncalibrated (--params FILE from --calibrate)"
     print(f"\npredicted at {meas.nodes} node(s) x {meas.procs_per_node}; cost-model parameters: {source}")
     print("\n".join(format_predictions(shown, rec.allowed, rec.strategy, rec.steps_factor)))
@@ -271,7 +301,7 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     print(f"  CLI:   {rec.cli}  (plus your --model/--data)")
     out: dict[str, Any] = {"measurements": meas.as_dict(), "recommendation": rec.as_dict(), "params": params}
     if args.simulate_nodes:
-        strategies = [s for s in CANDIDATES if s in shown]
+        strategies = [s for s in ALL_CANDIDATES if s in shown]
         preds = simulate(meas, args.simulate_nodes, strategies, params)
         print(f"\nsimulated ({meas.procs_per_node} ranks per node, measured per-rank numbers, cost model):")
         print("\n".join(format_simulation(preds)))

@@ -38,9 +38,9 @@ SMALL_BYTES = 4096
 # A step slower than (1 + PAUSE_THRESHOLD) x the rank's median counts as a pause (jitter), not as noise.
 PAUSE_THRESHOLD = 1.0
 # Per-rank figures gathered to rank 0, in this order (one float64 vector per rank).
-_FIELDS = ("median", "cv", "pause_p", "pause_f", "steps", "cpu_share", "codec_s_per_byte", "t_intra_small",
-           "t_intra_big", "t_cross_small", "t_cross_big", "t_world_big", "cpu_cross_big")  # fmt: skip
-_LINK_FIELDS = _FIELDS[7:]
+_LINK_FIELDS = ("t_intra_small", "t_intra_big", "t_cross_small", "t_cross_big", "t_world_big", "cpu_cross_big")
+_FIELDS = ("median", "cv", "pause_p", "pause_f", "steps", "cpu_share", "codec_s_per_byte", *_LINK_FIELDS,
+           "state_bytes", "device_bytes")  # fmt: skip
 
 
 def compose_config(overrides: list[str]) -> Any:
@@ -123,10 +123,17 @@ class _EmulatedSlowdown:
 
 
 def time_compute(
-    model: Any, loader: Any, seconds: float, rank: int, device: torch.device, cpu: list[float] | None = None
+    model: Any,
+    loader: Any,
+    seconds: float,
+    rank: int,
+    device: torch.device,
+    cpu: list[float] | None = None,
+    state: list[float] | None = None,
 ) -> list[float]:
     """Per-step wall times of forward + backward + optimizer step for about ``seconds`` (2 warm-up steps left out).
-    ``cpu``, when given, receives ``[process CPU seconds, wall seconds]`` of the compute alone (pauses left out)."""
+    ``cpu``, when given, receives ``[process CPU seconds, wall seconds]`` of the compute alone (pauses left out);
+    ``state`` receives ``[bytes]`` of the replicated training state (:func:`training_state_bytes`)."""
     model.to(device).train()
     opt = _optimizer(model)
     slowdown = _EmulatedSlowdown(rank, seconds)
@@ -162,7 +169,31 @@ def time_compute(
             if (time.perf_counter() - start >= seconds and len(times) >= 5) or len(times) >= 10_000:
                 if cpu is not None:
                     cpu[:] = [cpu_s, wall_s]
+                if state is not None:
+                    state[:] = [training_state_bytes(model, opt)]
                 return times
+
+
+def training_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """What a replicated rank holds for training: the trainable parameters, a gradient of each, and the optimizer's
+    state after its steps (Adam: two moments per parameter)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    params = sum(p.numel() * p.element_size() for p in trainable)
+    moments = sum(
+        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+    )
+    return float(2 * params + moments)
+
+
+def device_memory_bytes(device: torch.device, ranks_on_machine: int) -> float:
+    """Memory one rank can use: its GPU's, or the machine's RAM shared by the ranks on it (0 when unknown)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        return 0.0
+    return float(total) / max(1, ranks_on_machine)
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -289,8 +320,11 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
         if distributed:
             dist.barrier()  # every rank computes at the same time, as in training
         cpu: list[float] = [0.0, 0.0]
-        stats = step_statistics(time_compute(model, loader, seconds, rank, device, cpu))
+        state: list[float] = [0.0]
+        stats = step_statistics(time_compute(model, loader, seconds, rank, device, cpu, state))
         stats["cpu_share"] = cpu[0] / cpu[1] if cpu[1] > 0 else 0.0
+        stats["state_bytes"] = state[0]
+        stats["device_bytes"] = device_memory_bytes(device, local_world)
         if distributed:
             dist.barrier()  # every rank encodes at once, as in a compressed exchange
         stats["codec_s_per_byte"] = codec_s_per_byte(grad_bytes, device, reps)
@@ -336,4 +370,6 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
         meas.comm_cpu_s_per_byte = comm_cpu_s_per_byte(col["cpu_cross_big"], col["cpu_share"], grad_bytes / m, n)
     # A compressed collective waits for its slowest encoder: the maximum over ranks.
     meas.codec_s_per_byte = max(col["codec_s_per_byte"])
+    # The rank with the least memory decides whether the model fits.
+    meas.state_bytes, meas.device_bytes = max(col["state_bytes"]), min(col["device_bytes"])
     return meas

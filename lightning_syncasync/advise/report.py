@@ -30,6 +30,11 @@ CANDIDATES: tuple[str, ...] = (
     "ddp_powersgd",
     "auto_sync",
 )
+# For a model that does not fit one device (``Thresholds.shard``): the strategies that shard it, the synchronous
+# anchor first. async_ssp_sharded is left out: on slow_link_sharded (one seed, docs/benchmarks.md) it ran slower than
+# hier_sync_sharded_int8 and reached 0.34 later, and the cost model has no form for its validation cuts.
+SHARDED_CANDIDATES: tuple[str, ...] = ("fsdp", "hsdp", "hier_sync_sharded", "hier_sync_sharded_int8")
+ALL_CANDIDATES: tuple[str, ...] = CANDIDATES + SHARDED_CANDIDATES
 # Settings the advisor searches; the smallest (the least stale) within `settings_tolerance` of the best is chosen.
 # inter_period 1 is left out: on slow_link it learned worst of all (quick budget: 0.269 final with fp32 and with
 # int8, target 0.27 never reached, while 2 and 4 reached it; README, hier_sync table), although it is the least stale.
@@ -64,6 +69,10 @@ class Measurements:
     comm_cpu_s_per_byte: float | None = None  # what a background inter-node exchange takes from compute, per byte
     codec_s_per_byte: float | None = None  # wall seconds per gradient byte of an int8 encode/decode on the slowest rank
     links_assumed: bool = False
+    # Replicated training state per rank (parameters, gradients, optimizer state) and the memory one rank has (the
+    # GPU's, or the machine's RAM over its ranks); 0 = not measured.
+    state_bytes: float = 0.0
+    device_bytes: float = 0.0
     workload: str = ""
     params: int = 0
     backend: str = "gloo"
@@ -159,6 +168,13 @@ class Thresholds:
         later_stragglers: where the flow keeps DDP, recommend ``auto_sync`` in sync mode instead: the probe cannot
             see a straggler that arrives after it, and auto_sync is DDP until one does (``LATER_STRAGGLERS_EVIDENCE``
             has the measurements). ``False`` keeps DDP.
+        shard: ``True``: the model must be sharded (it does not fit one device, or the user wants its memory
+            back), so only ``SHARDED_CANDIDATES`` are considered, with ``fsdp`` as the synchronous anchor;
+            ``False``: replicated strategies only; ``None`` (default): decided from the measured replicated
+            training state against the memory of one rank (``shard_fraction``).
+        shard_fraction: share of a rank's memory above which the replicated training state (parameters,
+            gradients, optimizer state) calls for sharding: the rest is what activations and buffers get. 0.5, a
+            rule of thumb (activations of a large model's batch are of the order of its state), not a measurement.
 
     Example::
 
@@ -180,10 +196,17 @@ class Thresholds:
     powersgd_steps: float = 1.4
     model_error: float = MODEL_ERROR
     later_stragglers: bool = True
+    shard: bool | None = None
+    shard_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.straggler_ratio < 1:
             raise ValueError(f"straggler_ratio must be >= 1, got {self.straggler_ratio}")
+        if not 0 < self.shard_fraction <= 1:
+            raise ValueError(
+                f"shard_fraction must be in (0, 1], got {self.shard_fraction}; HINT: the share of a rank's memory the "
+                "replicated training state may take (0.5)"
+            )
         for name in ("jitter_p", "comm_fraction", "bandwidth_ratio", "min_gain", "settings_tolerance", "straggler_cv",
                      "model_error"):  # fmt: skip
             if getattr(self, name) < 0:
@@ -260,37 +283,66 @@ def best_settings(model: ScalingModel, strategy: str, nodes: int, tolerance: flo
     return next(g for g, r in zip(grid, rates, strict=True) if r >= best * (1 - tolerance))
 
 
-def candidate_settings(model: ScalingModel, nodes: int, tolerance: float) -> dict[str, dict[str, Any]]:
+def candidate_settings(
+    model: ScalingModel, nodes: int, tolerance: float, candidates: Sequence[str] = CANDIDATES
+) -> dict[str, dict[str, Any]]:
     """Every candidate's settings at ``nodes``; auto_sync's hier mode takes the chosen hier_sync settings."""
-    settings = {s: best_settings(model, s, nodes, tolerance) for s in CANDIDATES}
-    settings["auto_sync"] = dict(settings["hier_sync"])
+    settings = {s: best_settings(model, s, nodes, tolerance) for s in candidates}
+    if "auto_sync" in settings:
+        settings["auto_sync"] = dict(best_settings(model, "hier_sync", nodes, tolerance))
     return settings
+
+
+def sharding(m: Measurements, th: Thresholds) -> tuple[bool, str]:
+    """Whether the model must be sharded, and the decision flow's line saying why."""
+    if th.shard is not None:
+        return th.shard, (
+            f"|- shard the model? set by the user (--shard {'yes' if th.shard else 'no'}) -> "
+            + (f"yes: the sharded strategies ({', '.join(SHARDED_CANDIDATES)})" if th.shard else "no")
+        )
+    if m.state_bytes <= 0 or m.device_bytes <= 0:
+        return False, "|- shard the model? its memory was not measured -> no (--shard yes to shard it)"
+    share = m.state_bytes / m.device_bytes
+    sharded = share > th.shard_fraction
+    return sharded, (
+        f"|- shard the model? replicated, its training state (parameters, gradients, optimizer state) is "
+        f"{m.state_bytes / 1e6:.1f} MB per rank, {share:.1%} of a rank's {m.device_bytes / 1e9:.1f} GB (threshold "
+        f"{th.shard_fraction:.0%}; the rest is for activations) -> "
+        + (f"yes: the sharded strategies ({', '.join(SHARDED_CANDIDATES)})" if sharded else "no")
+    )
 
 
 def recommend(
     m: Measurements,
     thresholds: Thresholds | None = None,
-    available: Sequence[str] = CANDIDATES,
+    available: Sequence[str] = ALL_CANDIDATES,
     params: dict[str, float] | None = None,
 ) -> Recommendation:
     """Decide from measured numbers only (see the module docstring). ``available``: strategies this install can
-    run (``auto_sync`` is left out while it is not registered)."""
+    run (``auto_sync`` is left out while it is not registered). A model that must be sharded (``Thresholds.shard``)
+    is advised among ``SHARDED_CANDIDATES``, with ``fsdp`` in DDP's place as the synchronous anchor."""
     th = thresholds or Thresholds()
     model = build_model(m, params)
     n = m.nodes
-    settings = candidate_settings(model, n, th.settings_tolerance)
-    preds = {s: model.predict(s, n, **settings[s]) for s in CANDIDATES}
-    # auto_sync starts in the mode it is predicted to settle in; its switcher moves on from there.
-    settings["auto_sync"] = {"mode": preds["auto_sync"].settings["mode"], **settings["auto_sync"]}
-    ddp = preds["ddp"]
+    sharded, shard_line = sharding(m, th)
+    pool = SHARDED_CANDIDATES if sharded else CANDIDATES
+    anchor = pool[0]  # the synchronous strategy every other must beat: ddp, or fsdp for a sharded model
+    settings = candidate_settings(model, n, th.settings_tolerance, pool)
+    preds = {s: model.predict(s, n, **settings[s]) for s in pool}
+    if "auto_sync" in preds:
+        # auto_sync starts in the mode it is predicted to settle in; its switcher moves on from there.
+        settings["auto_sync"] = {"mode": preds["auto_sync"].settings["mode"], **settings["auto_sync"]}
+    ddp = preds[anchor]
     ratio = m.straggler_ratio
     slow = max(range(m.world_size), key=lambda r: m.median_step_s[r])
     jp, jf = m.jitter
     comm_frac = ddp.comm_s / ddp.step_s
     bw = m.bandwidth_ratio
 
-    flow: list[str] = []
-    allowed = {"ddp"}
+    flow: list[str] = [shard_line]
+    allowed = {anchor}
+    # No sharded strategy rebalances batches or trains asynchronously: stragglers are reported, not acted on.
+    unanswered = "|    `- no sharded strategy rebalances batches or trains asynchronously: noted, not acted on"
     persistent = ratio >= th.straggler_ratio and m.step_cv[slow] < th.straggler_cv
     hetero_note = f"straggler ratio max/median step = {ratio:.2f} (threshold {th.straggler_ratio:.2f})"
     if ratio >= th.straggler_ratio:
@@ -299,7 +351,9 @@ def recommend(
         flow.append(f"|- ranks alike? {hetero_note} -> heterogeneous, {kind}")
     else:
         flow.append(f"|- ranks alike? {hetero_note} -> homogeneous")
-    if persistent:
+    if persistent and sharded:
+        flow.append(unanswered)
+    elif persistent:
         allowed |= {"ddp_adaptive_batch", "auto_sync"} | ({"async_ssp"} if th.allow_async else set())
         flow.append(
             "|    `- allows ddp_adaptive_batch (shares by speed), auto_sync (rebalances in sync mode)"
@@ -308,15 +362,18 @@ def recommend(
     jitter = jp >= th.jitter_p
     flow.append(
         f"|- transient pauses? p = {jp:.3f} per rank-step (threshold {th.jitter_p}), mean pause {jf:.2f}x the step; "
-        f"DDP waits {ddp.wait_s * 1e3:.1f} ms/step for the slowest -> {'jitter' if jitter else 'no'}"
+        f"{'DDP' if anchor == 'ddp' else anchor} waits {ddp.wait_s * 1e3:.1f} ms/step for the slowest -> "
+        f"{'jitter' if jitter else 'no'}"
     )
-    if jitter:
+    if jitter and sharded:
+        flow.append(unanswered)
+    elif jitter:
         allowed |= {"ddp_adaptive_batch", "auto_sync"} | ({"async_ssp"} if th.allow_async else set())
         flow.append(
             "|    `- allows ddp_adaptive_batch, auto_sync"
             + (", async_ssp (staleness absorbs pauses)" if th.allow_async else "")
         )
-    if not th.allow_async:
+    if not th.allow_async and not sharded:
         flow.append(
             "|- async_ssp left out (--allow-async to consider it): its rounds reached the target 1.30x and 1.95x "
             "sooner than DDP on straggler_long and jitter_long but in 2 of 3 seeds, and 1.04x on hetero_slow_link, "
@@ -330,12 +387,27 @@ def recommend(
         bw_text = f"{bw:.3f} (threshold {th.bandwidth_ratio})"
     comm_bound = comm_frac >= th.comm_fraction
     flow.append(
-        f"|- communication-bound? flat DDP predicted {comm_frac:.1%} of its step communicating "
-        f"(threshold {th.comm_fraction:.0%}); inter/intra bandwidth {bw_text} -> {'yes' if comm_bound else 'no'}"
+        f"|- communication-bound? {'flat DDP' if anchor == 'ddp' else anchor} predicted {comm_frac:.1%} of its step "
+        f"communicating (threshold {th.comm_fraction:.0%}); inter/intra bandwidth {bw_text} -> "
+        f"{'yes' if comm_bound else 'no'}"
     )
     # With one rank per node hier_sync is periodic averaging across nodes: it pays whenever the link is the cost.
     hier = comm_bound and n > 1 and (bw is None or bw <= th.bandwidth_ratio)
-    if comm_bound:
+    if comm_bound and sharded:
+        if n > 1:
+            # HSDP keeps FSDP2's traffic inside the node and sends the gradient shards across once a step;
+            # hier_sync_sharded sends them every few steps, in the background.
+            allowed.add("hsdp")
+            if hier:
+                allowed |= {"hier_sync_sharded", "hier_sync_sharded_int8"}
+            flow.append(
+                "|    `- "
+                + ("slow inter-node link: allows hsdp, hier_sync_sharded, hier_sync_sharded_int8" if hier
+                   else "uniform links: allows hsdp (shards inside each node)")
+            )  # fmt: skip
+        else:
+            flow.append("|    `- one node: fsdp is the only sharded strategy (nothing to average across)")
+    elif comm_bound:
         allowed |= {"ddp_int8", "ddp_powersgd"}
         if hier:
             allowed |= {"hier_sync", "hier_sync_int8", "auto_sync"}
@@ -344,13 +416,13 @@ def recommend(
             )
         else:
             flow.append("|    `- uniform links: allows compression (ddp_int8, ddp_powersgd)")
-    usable = [s for s in CANDIDATES if s in allowed and s in available]
+    usable = [s for s in pool if s in allowed and s in available]
     missing = sorted(allowed - set(available))
     if missing:
         flow.append(f"|- not available in this install: {', '.join(missing)}")
-    factor = {s: _steps_factor(s, preds[s], th) for s in CANDIDATES}
+    factor = {s: _steps_factor(s, preds[s], th) for s in pool}
     # Samples per second towards the target: throughput over the steps a strategy needs relative to DDP.
-    useful = {s: preds[s].samples_per_s / factor[s] for s in CANDIDATES}
+    useful = {s: preds[s].samples_per_s / factor[s] for s in pool}
     slowed = [f"{s} {factor[s]:.2f}x" for s in usable if factor[s] > 1]
     if slowed:
         flow.append(
@@ -358,13 +430,14 @@ def recommend(
             "their throughput is divided by it"
         )
     best = max(usable, key=lambda s: useful[s])
-    if best != "ddp" and useful[best] < ddp.samples_per_s * (1 + th.min_gain):
+    anchor_name = "DDP" if anchor == "ddp" else anchor
+    if best != anchor and useful[best] < ddp.samples_per_s * (1 + th.min_gain):
         flow.append(
-            f"|- {best} predicted to reach a target only {useful[best] / ddp.samples_per_s:.2f}x sooner than DDP "
-            f"(< {1 + th.min_gain:.2f}x): keep DDP"
+            f"|- {best} predicted to reach a target only {useful[best] / ddp.samples_per_s:.2f}x sooner than "
+            f"{anchor_name} (< {1 + th.min_gain:.2f}x): keep {anchor_name}"
         )
-        best = "ddp"
-    # (One rank has no other to fall behind.)
+        best = anchor
+    # (One rank has no other to fall behind; auto_sync replicates the model, so it is no answer for a sharded one.)
     later = best == "ddp" and th.later_stragglers and "auto_sync" in available and m.world_size > 1
     if later:
         # What a probe of a few seconds cannot see: a straggler that arrives later (a noisy neighbour, a node that
@@ -396,13 +469,19 @@ def recommend(
         )
     flow.append(
         f"`- recommendation: {best} {_fmt_settings(settings[best])}(predicted {preds[best].samples_per_s:.1f} "
-        f"samples/s, {preds[best].efficiency:.1%} efficiency, a target {gain:.2f}x sooner than DDP)"
+        f"samples/s, {preds[best].efficiency:.1%} efficiency, a target {gain:.2f}x sooner than {anchor_name})"
         + (f"; tied with {tie}" if tie else "")
     )
+    if sharded:
+        flow.append(
+            "   every sharded strategy needs the LightningModule to shard itself in configure_model (fully_shard over "
+            "self.device_mesh['data_parallel'], as lightning_syncasync/demo/_shard.py does)"
+        )
     return Recommendation(
         strategy=best, settings=settings[best], allowed=usable, flow=flow, predictions=preds,
         hydra=hydra_line(best, settings[best], m), cli=cli_line(best, settings[best], m),
-        regime={"persistent_straggler": persistent, "jitter": jitter, "comm_bound": comm_bound, "hierarchy": hier},
+        regime={"persistent_straggler": persistent, "jitter": jitter, "comm_bound": comm_bound, "hierarchy": hier,
+                "sharded": sharded},
         steps_factor=factor, runner_up=runner, margin=margin, model_error=th.model_error, tie_with=tie,
     )  # fmt: skip
 
@@ -430,9 +509,12 @@ def hydra_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
         parts += ["strategy=ddp", "+callbacks@callbacks.adaptive_batch=adaptive_batch"]
     elif strategy in ("ddp_int8", "ddp_powersgd"):
         parts += ["strategy=ddp_measured", f"strategy.compression={strategy.removeprefix('ddp_')}"]
+    elif strategy == "hsdp":
+        parts += ["strategy=hier_sync_sharded", "strategy.hsdp=true"]
     elif strategy.startswith("hier_sync"):
-        parts += ["strategy=hier_sync", *(f"strategy.{k}={v}" for k, v in settings.items())]
-        if strategy == "hier_sync_int8":
+        base = "hier_sync_sharded" if strategy.startswith("hier_sync_sharded") else "hier_sync"
+        parts += [f"strategy={base}", *(f"strategy.{k}={v}" for k, v in settings.items())]
+        if strategy.endswith("_int8"):
             parts.append("strategy.compression=int8")
     elif strategy in ("async_ssp", "auto_sync"):
         parts += [f"strategy={strategy}", *(f"strategy.{k}={v}" for k, v in settings.items())]
@@ -446,6 +528,8 @@ _CLASS = {
     "async_ssp": "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
     "ddp_measured": "lightning_syncasync.strategies.measured_ddp.MeasuredDDPStrategy",
     "auto_sync": "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
+    "hier_sync_sharded": "lightning_syncasync.strategies.hier_sync_sharded.ShardedHierSyncStrategy",
+    "fsdp": "lightning.pytorch.strategies.ModelParallelStrategy",
 }
 
 
@@ -459,11 +543,22 @@ def cli_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
             f"--trainer.strategy={_CLASS['ddp_measured']}",
             f"--trainer.strategy.init_args.compression={strategy.removeprefix('ddp_')}",
         ]
+    elif strategy == "fsdp":
+        # FSDP2 over every rank: Lightning's ModelParallelStrategy with all ranks data-parallel.
+        parts += [
+            f"--trainer.strategy={_CLASS['fsdp']}",
+            f"--trainer.strategy.init_args.data_parallel_size={m.world_size}",
+            "--trainer.strategy.init_args.tensor_parallel_size=1",
+        ]
+    elif strategy == "hsdp":
+        parts += [f"--trainer.strategy={_CLASS['hier_sync_sharded']}", "--trainer.strategy.init_args.hsdp=true"]
     elif strategy.startswith("hier_sync") or strategy in ("async_ssp", "auto_sync"):
         base = "hier_sync" if strategy.startswith("hier_sync") else strategy
+        if strategy.startswith("hier_sync_sharded"):
+            base = "hier_sync_sharded"
         parts.append(f"--trainer.strategy={_CLASS[base]}")
         parts += [f"--trainer.strategy.init_args.{k}={v}" for k, v in settings.items()]
-        if strategy == "hier_sync_int8":
+        if strategy.endswith("_int8"):
             parts.append("--trainer.strategy.init_args.compression=int8")
     else:
         parts.append(f"--trainer.strategy={strategy}")
@@ -474,14 +569,15 @@ def format_predictions(
     preds: dict[str, Prediction], allowed: Sequence[str], recommended: str, steps_factor: dict[str, float] | None = None
 ) -> list[str]:
     factor = steps_factor or {}
+    w = max([20, *(len(name) + 2 for name in preds)])
     lines = [
-        f"{'strategy':<20}{'samples/s':>11}{'efficiency':>12}{'step ms':>10}{'comm ms':>10}{'wait ms':>10}"
+        f"{'strategy':<{w}}{'samples/s':>11}{'efficiency':>12}{'step ms':>10}{'comm ms':>10}{'wait ms':>10}"
         f"{'steps':>7}  {'bottleneck':<15}settings"
     ]
     for name, p in sorted(preds.items(), key=lambda kv: -kv[1].samples_per_s / factor.get(kv[0], 1.0)):
         mark = "*" if name == recommended else ("+" if name in allowed else " ")
         lines.append(
-            f"{mark}{name:<19}{p.samples_per_s:>11.1f}{p.efficiency:>11.1%}{p.step_s * 1e3:>10.1f}"
+            f"{mark}{name:<{w - 1}}{p.samples_per_s:>11.1f}{p.efficiency:>11.1%}{p.step_s * 1e3:>10.1f}"
             f"{p.comm_s * 1e3:>10.1f}{p.wait_s * 1e3:>10.1f}{factor.get(name, 1.0):>6.2f}x  {p.bottleneck:<15}"
             f"{_fmt_settings(p.settings).strip()}"
         )
@@ -504,7 +600,7 @@ def simulate(
     model = build_model(m, params)
     out = []
     for n in nodes_list:
-        settings = candidate_settings(model, n, tolerance)
+        settings = candidate_settings(model, n, tolerance, [s for s in strategies if s in ALL_CANDIDATES])
         # Strategies outside the candidates (the cost model's variants, e.g. ddp_int8_allgather) at their defaults.
         out += [model.predict(s, n, **settings.get(s, {})) for s in strategies]
     return out
@@ -570,11 +666,25 @@ def calibration_record(record: dict[str, Any], scenario: Any, grad_bytes: float)
             if adaptive:
                 return "adaptive batches with compression (not modelled)"
             settings["compression"] = compression
+    elif target.endswith("ModelParallelStrategy") and not adaptive:
+        if int(st.get("tensor_parallel_size") or 1) != 1:
+            return "tensor parallelism (not modelled)"
+        model = "fsdp"
+    elif target.endswith("ShardedHierSyncStrategy") and not adaptive:  # before hier_sync: its name ends the same
+        if st.get("hsdp"):
+            model = "hsdp"
+        else:
+            model = "hier_sync_sharded"
+            settings = {"inter_period": int(st.get("inter_period", 4)), "max_delay": int(st.get("max_delay", 1))}
+            if compression != "none":
+                settings["compression"] = compression
     elif target.endswith("HierSyncStrategy") and not adaptive:
         model = "hier_sync"
         settings = {"inter_period": int(st.get("inter_period", 4)), "max_delay": int(st.get("max_delay", 1))}
         if compression != "none":
             settings["compression"] = compression
+    elif target.endswith("ShardedAsyncSSPStrategy"):  # before async_ssp: its name ends the same
+        return "async_ssp over FSDP2 shards (not modelled)"
     elif target.endswith("AsyncSSPStrategy") and not adaptive:
         model = "async_ssp"
         # Records from before round-level async (no local_steps in the config) ran per step.

@@ -53,6 +53,19 @@ Strategies (``DDP`` = flat synchronous all-reduce every step)::
                 batch rebalancing on, async off): an upper bound for a switcher that settles in the right mode
                 (switching costs are not modelled).
 
+Sharded strategies (FSDP2: parameters, gradients and optimizer state split over a group of k ranks), for models
+that do not fit one device. FSDP2 all-gathers the parameters for forward and again for backward (it reshards after
+forward by default) and reduce-scatters the gradients: three ring passes, ``3 (k-1)/k * B / beta``::
+
+    fsdp:       sharded over every rank (Lightning's ModelParallelStrategy): as ddp, with the three passes over all
+                R ranks (through the inter-node link when n > 1) in place of the all-reduce
+    hsdp:       sharded inside each node, replicated across nodes: the three passes over the node's m ranks on the
+                intra link, then the gradient shards all-reduced across nodes every step (B/m per rank, the m
+                shards sharing the node link: hier_sync's cross-node hop, blocking)
+    hier_sync_sharded: hier_sync over the shards: the three passes inside the node every step; every P steps each
+                rank averages its own shard across nodes in the background (hier_sync's round without the
+                node-internal reduce-scatter and all-gather: the shards are already split)
+
 Efficiency = samples/s over the no-communication limit: every rank at its own mean rate, ``sum_r b / E[X_r]``
 (what ``syncasync-bench`` measures as *ideal*: same ranks, same stragglers, no communication).
 
@@ -94,7 +107,7 @@ COMPRESSION: dict[str, tuple[float, str]] = {
 # Chunked codes may travel by the older all-gather layout instead (``Compressor(collective="allgather")``).
 COLLECTIVES = ("two_phase", "allgather")
 # Base strategies and the named variants the advisor and the benchmarks use.
-_BASE = ("ddp", "ddp_adaptive_batch", "hier_sync", "async_ssp", "auto_sync")
+_BASE = ("ddp", "ddp_adaptive_batch", "hier_sync", "async_ssp", "auto_sync", "fsdp", "hsdp", "hier_sync_sharded")
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_int8": ("ddp", {"compression": "int8"}),
     "ddp_int4": ("ddp", {"compression": "int4"}),
@@ -106,14 +119,20 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "async_asp": ("async_ssp", {"staleness": None, "local_steps": 1}),
     "async_ssp_per_step": ("async_ssp", {"local_steps": 1}),
     "async_ssp_int8": ("async_ssp", {"compression": "int8"}),
+    "hier_sync_sharded_int8": ("hier_sync_sharded", {"compression": "int8"}),
 }
 STRATEGIES: tuple[str, ...] = _BASE + tuple(_VARIANTS)
+# The strategies that shard the model (for models that do not fit one device); the others replicate it on every rank.
+SHARDED: tuple[str, ...] = ("fsdp", "hsdp", "hier_sync_sharded", "hier_sync_sharded_int8")
 _SETTINGS: dict[str, frozenset[str]] = {
     "ddp": frozenset({"compression", "compression_ratio", "collective"}),
     "ddp_adaptive_batch": frozenset({"compression", "compression_ratio", "collective"}),
     "hier_sync": frozenset({"inter_period", "max_delay", "compression", "compression_ratio", "collective"}),
     "async_ssp": frozenset({"staleness", "local_steps", "compression", "compression_ratio", "collective"}),
     "auto_sync": frozenset({"inter_period", "max_delay"}),
+    "fsdp": frozenset(),
+    "hsdp": frozenset(),
+    "hier_sync_sharded": frozenset({"inter_period", "max_delay", "compression", "compression_ratio", "collective"}),
 }
 # auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
 _AUTO_MODES = {"ddp": "sync", "ddp_adaptive_batch": "sync", "hier_sync": "hier", "async_ssp": "async"}
@@ -428,9 +447,9 @@ class ScalingModel:
         """Predicted operating point of ``strategy`` on ``nodes`` nodes of ``procs_per_node`` ranks.
 
         Settings: ``compression`` (one of ``COMPRESSION``) and ``compression_ratio`` (bytes vs fp32) for ddp,
-        ddp_adaptive_batch, hier_sync and async_ssp; ``inter_period`` (4) and ``max_delay`` (1) for hier_sync;
-        ``staleness`` (1; ``None`` = ASP with ``local_steps=1``) and ``local_steps`` (8; 1 = per-step exchange) for
-        async_ssp.
+        ddp_adaptive_batch, hier_sync, hier_sync_sharded and async_ssp; ``inter_period`` (4) and ``max_delay`` (1)
+        for hier_sync and hier_sync_sharded; ``staleness`` (1; ``None`` = ASP with ``local_steps=1``) and
+        ``local_steps`` (8; 1 = per-step exchange) for async_ssp; none for fsdp and hsdp.
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; HINT: one of {', '.join(STRATEGIES)}")
@@ -458,13 +477,15 @@ class ScalingModel:
             pred = self._auto_sync(nodes, opts)
         elif base in ("ddp", "ddp_adaptive_batch"):
             pred = self._ddp(nodes, compression, ratio, adaptive=base == "ddp_adaptive_batch")
-        elif base == "hier_sync":
+        elif base in ("fsdp", "hsdp"):
+            pred = self._sharded_sync(nodes, hsdp=base == "hsdp")
+        elif base in ("hier_sync", "hier_sync_sharded"):
             period, delay = opts.get("inter_period", 4), opts.get("max_delay", 1)
             if not isinstance(period, int) or period < 1:
                 raise ValueError(f"inter_period must be an integer >= 1, got {period!r}; HINT: e.g. inter_period=4")
             if not isinstance(delay, int) or delay < 0:
                 raise ValueError(f"max_delay must be an integer >= 0, got {delay!r}; HINT: e.g. max_delay=1")
-            pred = self._hier_sync(nodes, period, delay, compression, ratio)
+            pred = self._hier_sync(nodes, period, delay, compression, ratio, sharded=base == "hier_sync_sharded")
         else:
             staleness, local_steps = opts.get("staleness", 1), opts.get("local_steps", 8)
             if not isinstance(local_steps, int) or local_steps < 1:
@@ -523,28 +544,56 @@ class ScalingModel:
         step = slowest + exposed
         return self._finish(nodes, step, mean_compute, exposed, slowest - mean_compute, ranks * b / step, {})
 
-    def _hier_round_s(self, nodes: int, compression: str, ratio: float) -> tuple[float, float]:
-        """(duration of one inter-node round, CPU seconds it costs a rank)."""
+    def _fsdp_s(self, k: int, link: tuple[float, float]) -> float:
+        """FSDP2's traffic per step over ``k`` ranks: the parameters all-gathered for forward and again for backward,
+        the gradients reduce-scattered (three ring passes of ``(k-1)/k B``), one collective per unit and pass."""
+        if k <= 1:
+            return 0.0
+        passes = 3 * self.ring_all_gather_s(k, self.grad_bytes / k, link)
+        return passes + 3 * self._collectives_per_step(self.grad_bytes) * self.collective_overhead_s
+
+    def _sharded_sync(self, nodes: int, hsdp: bool) -> Prediction:
+        ranks, b, m = self._ranks(nodes), self.batch_size, self.procs_per_node
+        dists = [(k, self._step_dist(b * c)) for k, c in self._rank_groups(ranks)]
+        slowest = _expected_max(dists)
+        mean_compute = sum(k * _mean(d) for k, d in dists) / ranks
+        if hsdp and nodes > 1:
+            # Sharded inside the node; the gradient shards all-reduced across nodes every step, blocking.
+            comm = self._fsdp_s(m, self.intra_link) + self._hier_round_s(nodes, "none", 1.0, inside=False)[0]
+        else:
+            comm = self._fsdp_s(ranks, self._link(nodes))
+        exposed = comm - min(self.overlap * comm, mean_compute)
+        step = slowest + exposed
+        return self._finish(nodes, step, mean_compute, exposed, slowest - mean_compute, ranks * b / step, {})
+
+    def _hier_round_s(self, nodes: int, compression: str, ratio: float, inside: bool = True) -> tuple[float, float]:
+        """(duration of one inter-node round, CPU seconds it costs a rank). ``inside=False``: the ranks of a node
+        hold different shards already (sharded strategies), so nothing is reduced or gathered inside the node."""
         m, nbytes = self.procs_per_node, self.grad_bytes
         if nodes <= 1:
             return 0.0, 0.0
         # Reduce-scatter + all-gather inside the node cost one intra all-reduce; across nodes each local rank
         # all-reduces its B/m shard, and the m shards share the node's link: the link carries B.
-        inside = self.ring_all_reduce_s(m, nbytes, self.intra_link)
+        inside_s = self.ring_all_reduce_s(m, nbytes, self.intra_link) if inside else 0.0
         shard = nbytes / m
         link = (self.inter_link[0], self.inter_link[1] / m)
         across = self._collective(nodes, shard, link, compression, ratio)
         sent = self._sent(nodes, ratio * shard, compression)
         cpu = self.comm_cpu_s_per_byte * sent + self._codec_s(nodes, shard, compression)
-        cpu += 3 * self.collective_overhead_s
-        return inside + across, cpu
+        cpu += (3 if inside else 1) * self.collective_overhead_s
+        return inside_s + across, cpu
 
-    def _hier_sync(self, nodes: int, period: int, delay: int, compression: str, ratio: float) -> Prediction:
+    def _hier_sync(
+        self, nodes: int, period: int, delay: int, compression: str, ratio: float, sharded: bool = False
+    ) -> Prediction:
         ranks, b, m = self._ranks(nodes), self.batch_size, self.procs_per_node
-        t_round, cpu_round = self._hier_round_s(nodes, compression, ratio)
-        intra = self.ring_all_reduce_s(m, self.grad_bytes, self.intra_link)
-        if m > 1:
-            intra += self._collectives_per_step(self.grad_bytes) * self.collective_overhead_s
+        t_round, cpu_round = self._hier_round_s(nodes, compression, ratio, inside=not sharded)
+        if sharded:
+            intra = self._fsdp_s(m, self.intra_link)  # FSDP2 inside the node every step
+        else:
+            intra = self.ring_all_reduce_s(m, self.grad_bytes, self.intra_link)
+            if m > 1:
+                intra += self._collectives_per_step(self.grad_bytes) * self.collective_overhead_s
         cpu = cpu_round / period
         patterns = self._node_patterns(nodes)
         if delay >= 1:

@@ -276,7 +276,7 @@ class BenchRunner:
         out = run_dir / "advice.json"
         out.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "lightning_syncasync.advise", "--seconds", f"{seconds:g}", "--allow-async",
-               "--json", str(out), "--", *scenario.overrides, *self.extra_overrides]  # fmt: skip
+               *scenario.advise_args, "--json", str(out), "--", *scenario.overrides, *self.extra_overrides]  # fmt: skip
         log.info("[%s] syncasync-advise --seconds %g", scenario.name, seconds)
         report = self._cluster(scenario, run_dir / "logs", independent=False).run(cmd, timeout_s=600.0)
         record: dict[str, Any] = {"scenario": scenario.name, "seconds": seconds, "link_mbit": scenario.link_mbit}

@@ -92,6 +92,9 @@ class Scenario:
             restarted from their last checkpoint.
         node_faults: ``kill:1@0.3,start:1@0.6``: node faults at fractions of the budget time (``elastic`` only).
         checkpoint_every: the restarted contenders' checkpoint interval in steps (``elastic`` only).
+        advise_args: extra ``syncasync-advise`` arguments of the user this scenario stands for (``--advise``):
+            ``slow_link_sharded``'s user shards a model too large for one device (``--shard yes``), which the
+            probe cannot see in the emulator's small model.
     """
 
     name: str
@@ -116,6 +119,7 @@ class Scenario:
     elastic: bool = False
     node_faults: str = ""
     checkpoint_every: int = 50
+    advise_args: tuple[str, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -231,7 +235,7 @@ SCENARIOS: dict[str, Scenario] = {
             description="2 nodes x 2 ranks, 100 Mbit/s between nodes, transformer LM sharded with FSDP2 (inside each "
             "node, or over every rank for the fsdp anchor)",
             nodes=2, procs_per_node=2, link_mbit=100.0, overrides=_LM, steps=150, quick_steps=40, target=0.34,
-            quick_target=0.27, mirrors=_LM_MIRRORS,
+            quick_target=0.27, mirrors=_LM_MIRRORS, advise_args=("--shard", "yes"),
         ),
         Scenario(
             name="straggler",

@@ -253,3 +253,32 @@ def test_compression_keeps_its_advantage_at_scale():
     grow = lm.predict("ddp_int8", 1024).comm_s / lm.predict("ddp_int8", 8).comm_s
     grow_ag = lm.predict("ddp_int8_allgather", 1024).comm_s / lm.predict("ddp_int8_allgather", 8).comm_s
     assert grow < 1.5 < 50 < grow_ag
+
+
+@pytest.mark.timeout(10)
+def test_sharded_strategies_by_hand():
+    # 2 nodes x 2 ranks, T = 0.1 s, B = 1 MB, 10 MB/s between nodes, a free link inside.
+    model = _model()
+    # FSDP over all 4 ranks: 3 ring passes (2 all-gathers, 1 reduce-scatter) of 3/4 MB through the node link.
+    assert model.predict("fsdp", nodes=2).step_s == pytest.approx(0.1 + 3 * 0.075, rel=1e-4)
+    # HSDP: the passes stay inside the node; each rank all-reduces its 0.5 MB gradient shard across the 2 nodes, the
+    # node's 2 shards sharing its link: 2 x 1/2 x 0.5 MB / 5 MB/s = 0.1 s a step.
+    assert model.predict("hsdp", nodes=2).step_s == pytest.approx(0.2, rel=1e-4)
+    # hier_sync_sharded: the same exchange every 4 steps, in the background within a step: hidden.
+    assert model.predict("hier_sync_sharded", nodes=2).step_s == pytest.approx(0.1, rel=1e-4)
+    slow = _model(inter_link=(0.0, 1e6))  # a round takes 1 s = 10 steps: it paces the node
+    assert slow.predict("hier_sync_sharded", nodes=2).step_s == pytest.approx(0.1 + (1.0 - 0.1) / 4, rel=1e-4)
+    assert (
+        slow.predict("hier_sync_sharded_int8", nodes=2).samples_per_s
+        > slow.predict("hier_sync_sharded", nodes=2).samples_per_s
+    )
+    # On one node there is nothing to average across: all three are FSDP over the node's ranks.
+    inside = _model(intra_link=(0.0, 1e8))
+    one = [inside.predict(s, nodes=1).step_s for s in ("fsdp", "hsdp", "hier_sync_sharded")]
+    assert one == pytest.approx([0.1 + 3 * 0.5e6 / 1e8] * 3, rel=1e-4)
+    # Sharding costs a third more traffic inside the node than a replicated all-reduce (3 passes against 2).
+    assert inside.predict("hier_sync_sharded", nodes=1).comm_s == pytest.approx(
+        1.5 * inside.predict("hier_sync", nodes=1).comm_s
+    )
+    with pytest.raises(ValueError, match="fsdp has no setting"):
+        model.predict("fsdp", nodes=2, inter_period=4)

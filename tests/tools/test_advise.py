@@ -13,11 +13,15 @@ import torch
 from _commands import run_main
 
 from lightning_syncasync.advise.__main__ import main
+from lightning_syncasync.advise.probe import device_memory_bytes, training_state_bytes
 from lightning_syncasync.advise.report import (
     CANDIDATES,
+    SHARDED_CANDIDATES,
     Measurements,
     Thresholds,
+    format_predictions,
     format_simulation,
+    hydra_line,
     recommend,
     simulate,
 )
@@ -51,7 +55,13 @@ def test_compute_bound_and_homogeneous_is_auto_sync_in_sync_mode_for_later_strag
 def test_compute_bound_and_homogeneous_keeps_ddp_without_later_stragglers():
     rec = recommend(_meas(grad=0.3e6, intra=5e9, inter=5e9), Thresholds(later_stragglers=False))
     assert rec.strategy == "ddp"
-    assert rec.regime == {"persistent_straggler": False, "jitter": False, "comm_bound": False, "hierarchy": False}
+    assert rec.regime == {
+        "persistent_straggler": False,
+        "jitter": False,
+        "comm_bound": False,
+        "hierarchy": False,
+        "sharded": False,
+    }
     assert rec.flow[-1].startswith("`- recommendation: ddp")
     assert "strategy=ddp trainer.num_nodes=2 trainer.devices=2" in rec.hydra
     assert rec.cli.startswith("syncasync-cli fit --trainer.strategy=ddp")
@@ -78,7 +88,7 @@ def test_persistent_straggler_recommends_adaptive_batches():
     assert rec.strategy == "ddp_adaptive_batch"
     assert "strategy=ddp +callbacks@callbacks.adaptive_batch=adaptive_batch" in rec.hydra
     assert "--trainer.callbacks+=AdaptiveBatchSize" in rec.cli
-    assert "1.50" in rec.flow[0]  # the measured ratio is printed at its branch
+    assert "1.50" in next(line for line in rec.flow if "ranks alike?" in line)  # the measured ratio, at its branch
 
 
 @pytest.mark.timeout(10)
@@ -233,6 +243,9 @@ def test_two_gloo_processes_end_to_end(tmp_path):
     assert m["comm_cpu_s_per_byte"] > 0 and "background inter-node all-reduce:" in out
     # So is the codec's: compressed exchanges encode and decode on the rank's own CPU, inside the step.
     assert m["codec_s_per_byte"] > 0 and "compression codec (int8 encode or decode" in out
+    # The replicated training state (parameters, gradients and the optimizer's moments) against a rank's memory.
+    assert m["state_bytes"] >= 2 * m["grad_bytes"] and m["device_bytes"] > m["state_bytes"]
+    assert "training state per rank, replicated" in out and "|- shard the model? replicated, its training" in out
     rec = data["recommendation"]
     assert rec["strategy"] in CANDIDATES and set(rec["predictions"]) == set(CANDIDATES)
     assert {p["nodes"] for p in data["simulation"]} == {4, 64}
@@ -319,6 +332,7 @@ def test_calibrate_on_a_small_results_file(tmp_path, capsys):
         (["--simulate-nodes", "8,x"], "not a comma-separated list of integers"),
         (["--seconds", "0"], "--seconds must be in (0"),
         (["--strategies", "ddp,hier_sink"], "unknown ['hier_sink']"),
+        (["--shard", "maybe"], "--shard 'maybe' is not one of auto, yes, no; HINT: --shard yes"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_setting_named(args, message, capsys):
@@ -359,3 +373,98 @@ def test_auto_sync_predicted_as_its_mode_is_not_the_picks_runner_up():
     assert rec.predictions["auto_sync"].settings["mode"] == "hier"
     # auto_sync in hier mode is modelled as hier_sync itself: naming it the runner-up made every pick a "tie".
     assert rec.runner_up != "auto_sync" and rec.runner_up is not None
+
+
+def _big(meas: Measurements, state_gb: float, device_gb: float = 80.0) -> Measurements:
+    meas.state_bytes, meas.device_bytes = state_gb * 1e9, device_gb * 1e9
+    return meas
+
+
+@pytest.mark.timeout(10)
+def test_a_model_too_large_for_a_rank_is_advised_among_the_sharded_strategies():
+    # 60 GB of replicated state on 80 GB GPUs: over half of the memory, so only the strategies that shard it.
+    rec = recommend(_big(_meas(inter=12.5e6), 60.0))
+    assert rec.regime["sharded"] and set(rec.predictions) == set(SHARDED_CANDIDATES)
+    assert rec.flow[0].startswith("|- shard the model? replicated, its training state") and "75.0%" in rec.flow[0]
+    assert rec.flow[0].endswith("-> yes: the sharded strategies (" + ", ".join(SHARDED_CANDIDATES) + ")")
+    # On the slow link the hierarchy pays as it does unsharded; FSDP over every rank sends 3 passes of the model.
+    assert rec.strategy in ("hier_sync_sharded", "hier_sync_sharded_int8")
+    assert rec.predictions["fsdp"].samples_per_s < rec.predictions["hsdp"].samples_per_s
+    assert rec.predictions["hsdp"].samples_per_s < rec.predictions["hier_sync_sharded"].samples_per_s
+    assert "strategy=hier_sync_sharded strategy.inter_period=" in rec.hydra
+    assert "--trainer.strategy=lightning_syncasync.strategies.hier_sync_sharded.ShardedHierSyncStrategy" in rec.cli
+    assert any("configure_model" in line for line in rec.flow)
+    assert not any("async_ssp left out" in line for line in rec.flow)  # no async sharded candidate to leave out
+    # A persistent straggler is reported but has no sharded answer.
+    rec = recommend(_big(_meas(steps=(0.68, 0.68, 0.68, 1.02), inter=12.5e6), 60.0))
+    assert rec.regime["persistent_straggler"] and "ddp_adaptive_batch" not in rec.allowed
+    assert any("no sharded strategy rebalances" in line for line in rec.flow)
+
+
+@pytest.mark.timeout(10)
+def test_sharding_is_decided_from_memory_unless_the_user_says():
+    small = recommend(_big(_meas(inter=12.5e6), 30.0))  # 37.5% of the memory: replicated
+    assert not small.regime["sharded"] and small.flow[0].endswith("-> no") and "ddp" in small.predictions
+    assert recommend(_big(_meas(inter=12.5e6), 30.0), Thresholds(shard_fraction=0.3)).regime["sharded"]
+    forced = recommend(_meas(inter=12.5e6), Thresholds(shard=True))  # memory not measured: the user's word
+    assert forced.regime["sharded"] and "set by the user (--shard yes)" in forced.flow[0]
+    kept = recommend(_big(_meas(inter=12.5e6), 60.0), Thresholds(shard=False))
+    assert not kept.regime["sharded"] and kept.flow[0].endswith("(--shard no) -> no")
+    unknown = recommend(_meas(inter=12.5e6))
+    assert not unknown.regime["sharded"] and "not measured" in unknown.flow[0]
+    with pytest.raises(ValueError, match="shard_fraction must be in"):
+        Thresholds(shard_fraction=0.0)
+
+
+@pytest.mark.timeout(10)
+def test_a_sharded_model_on_fast_links_keeps_fsdp_and_the_lines_run_it():
+    rec = recommend(_meas(grad=0.3e6, intra=5e9, inter=5e9), Thresholds(shard=True))
+    assert rec.strategy == "fsdp" and rec.tie_with is None and not rec.regime["comm_bound"]
+    assert "strategy=fsdp trainer.num_nodes=2 trainer.devices=2" in rec.hydra
+    assert "--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy" in rec.cli
+    assert "--trainer.strategy.init_args.data_parallel_size=4" in rec.cli
+    assert "`- recommendation: fsdp" in rec.flow[-2] and "sooner than fsdp" in rec.flow[-2]
+    meas = _meas()
+    assert "strategy=hier_sync_sharded strategy.hsdp=true" in hydra_line("hsdp", {}, meas)
+    int8 = hydra_line("hier_sync_sharded_int8", {"inter_period": 4}, meas)
+    assert "strategy=hier_sync_sharded strategy.inter_period=4 strategy.compression=int8" in int8
+    # The table is wide enough for the longest name.
+    lines = format_predictions(rec.predictions, rec.allowed, rec.strategy, rec.steps_factor)
+    assert len({line.index("x  ") for line in lines[1:-1]}) == 1
+
+
+@pytest.mark.timeout(10)
+def test_the_probe_counts_the_replicated_training_state():
+    model = torch.nn.Linear(10, 10)  # 110 parameters, 440 bytes
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    # Parameters, gradients and Adam's two moments (and its two step counters, a scalar each).
+    assert 4 * 440 <= training_state_bytes(model, opt) <= 4 * 440 + 16
+    assert training_state_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1)) == 2 * 440
+    one, two = device_memory_bytes(torch.device("cpu"), 1), device_memory_bytes(torch.device("cpu"), 2)
+    assert one > 0 and two == pytest.approx(one / 2)
+
+
+@pytest.mark.timeout(60)
+def test_calibration_models_the_sharded_strategies(tmp_path, capsys):
+    sharded = "lightning_syncasync.strategies.hier_sync_sharded.ShardedHierSyncStrategy"
+    records = [
+        _bench_record("slow_link_sharded", "fsdp", 16.0,
+                      {"_target_": "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy",
+                       "tensor_parallel_size": 1}, [30.0] * 4),
+        _bench_record("slow_link_sharded", "hsdp", 36.0, {"_target_": sharded, "hsdp": True}, [30.0] * 4),
+        _bench_record("slow_link_sharded", "hier_sync_sharded_int8", 90.0,
+                      {"_target_": sharded, "hsdp": False, "compression": "int8"}, [30.0] * 4),
+        _bench_record("slow_link_sharded", "async_ssp_sharded", 70.0,
+                      {"_target_": "lightning_syncasync.strategies.async_ssp_sharded.ShardedAsyncSSPStrategy"},
+                      [30.0] * 4),
+    ]  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(records))
+    assert main(["--calibrate", str(path), "--json", str(tmp_path / "cal.json")]) == 0
+    out = capsys.readouterr().out
+    assert "3 records from 1 file(s)" in out
+    assert "not modelled: slow_link_sharded/async_ssp_sharded (async_ssp over FSDP2 shards (not modelled))" in out
+    cal = json.loads((tmp_path / "cal.json").read_text())
+    assert {e["strategy"] for e in cal["errors"]} == {"fsdp", "hsdp", "hier_sync_sharded_int8"}
