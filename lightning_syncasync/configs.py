@@ -134,6 +134,11 @@ class TrainConfig:
         ft: run a fault-tolerant job (``strategy=hier_sync_ft`` or ``async_ssp_ft``) as this many emulated nodes on
             this machine: a torchft Lighthouse and one job per node (``0``: this process is the job).
         ft_faults: the node fault schedule of an ``ft`` job, e.g. ``kill:1@10,start:1@25``.
+        data_order: another draw of everything random after the model's initialisation (the order of the training
+            batches first), the model initialised by ``seed`` as before: ``seed + 1000 x data_order`` reseeds after
+            it (``0``: nothing reseeded). How much a result moves with the data order alone: the benchmarks' noise
+            floor, DDP against itself (``ddp_other_order``). A module that builds its layers in ``configure_model``
+            draws them after the reseed, so its weights change too.
     """
 
     task_name: str = "train"
@@ -150,6 +155,7 @@ class TrainConfig:
     results_file: str = "results.json"
     ft: int = 0
     ft_faults: str = ""
+    data_order: int = 0
 
 
 def _schemas() -> dict[str, type]:

@@ -67,6 +67,11 @@ def validate_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.num_nodes={num_nodes!r} is impossible; HINT: use trainer.num_nodes=1 or more")
     if cfg.get("ft", 0):
         _check_ft(cfg)
+    order = cfg.get("data_order", 0)
+    if not isinstance(order, int) or isinstance(order, bool) or order < 0:
+        raise ValueError(f"data_order={order!r} is not a draw number; HINT: data_order=1 (0: the seed's own order)")
+    if order and cfg.get("seed") is None:
+        raise ValueError("data_order=1 reseeds from the run's seed, but seed=null; HINT: set seed=42 (or data_order=0)")
     strategy = trainer.get("strategy", "auto")
     if isinstance(strategy, str):
         from lightning_syncasync.strategies import check_strategy_name
@@ -124,6 +129,16 @@ def warn_if_restarts_will_fail(environ: dict[str, str] | None = None) -> str | N
     return None
 
 
+def reseed_after_init(seed: int, data_order: int) -> int:
+    """Reseed everything random with ``seed + 1000 x data_order``, after the model was initialised: Lightning seeds the
+    ``DistributedSampler`` it injects from ``PL_GLOBAL_SEED`` when ``fit`` builds the loaders (and a single process's
+    shuffling draws from torch's RNG), so the batches come in another order while the initial weights stay the
+    seed's. Returns the new seed."""
+    import lightning.pytorch as pl
+
+    return pl.seed_everything(seed + 1000 * data_order, workers=True, verbose=False)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Fit (and optionally test) the configured job; return its results (also written to ``cfg.results_file``)."""
     import lightning.pytorch as pl
@@ -135,6 +150,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     datamodule = _instantiate(cfg.data)
     model = _instantiate(cfg.model)
+    if cfg.get("data_order", 0):
+        reseed_after_init(cfg.seed, cfg.data_order)
     callbacks = _instantiate_dict(cfg.callbacks)
     from lightning_syncasync.callbacks.straggler import StragglerEmulator
 

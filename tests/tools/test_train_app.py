@@ -110,3 +110,34 @@ def test_bad_input_fails_before_training_with_a_named_setting(tmp_path):
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert "Epoch 0" not in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_data_order_reseeds_the_batches_order_after_the_initialisation():
+    # data_order=1 (the ddp_other_order contender): the model is built under the seed, then everything drawn after it
+    # comes from another seed; Lightning's injected DistributedSampler reads it when fit() builds the loaders.
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from torch.utils.data import DataLoader
+
+    from lightning_syncasync.train import reseed_after_init
+
+    def order() -> list[int]:
+        loader = DataLoader(list(range(64)), shuffle=True)
+        sampler = _get_distributed_sampler(loader, shuffle=True, overfit_batches=0, num_replicas=1, rank=0)
+        return list(sampler)
+
+    def start(data_order: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        pl.seed_everything(42, verbose=False)
+        weights = torch.nn.Linear(4, 4).weight.detach().clone()  # the model, initialised under the seed
+        if data_order:
+            assert reseed_after_init(42, data_order) == 42 + 1000 * data_order
+        return weights, order(), torch.rand(3)
+
+    w0, order0, draw0 = start(0)
+    w1, order1, draw1 = start(1)
+    assert torch.equal(w0, w1)  # the same initial weights
+    assert sorted(order0) == sorted(order1) and order0 != order1  # the same batches, in another order
+    assert not torch.equal(draw0, draw1)  # and every later draw (dropout) is another
+    assert start(1)[1] == order1  # reproducible
