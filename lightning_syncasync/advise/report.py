@@ -327,6 +327,7 @@ def recommend(
     sharded, shard_line = sharding(m, th)
     pool = SHARDED_CANDIDATES if sharded else CANDIDATES
     anchor = pool[0]  # the synchronous strategy every other must beat: ddp, or fsdp for a sharded model
+    anchor_name = "DDP" if anchor == "ddp" else anchor
     settings = candidate_settings(model, n, th.settings_tolerance, pool)
     preds = {s: model.predict(s, n, **settings[s]) for s in pool}
     if "auto_sync" in preds:
@@ -362,7 +363,7 @@ def recommend(
     jitter = jp >= th.jitter_p
     flow.append(
         f"|- transient pauses? p = {jp:.3f} per rank-step (threshold {th.jitter_p}), mean pause {jf:.2f}x the step; "
-        f"{'DDP' if anchor == 'ddp' else anchor} waits {ddp.wait_s * 1e3:.1f} ms/step for the slowest -> "
+        f"{anchor_name} waits {ddp.wait_s * 1e3:.1f} ms/step for the slowest -> "
         f"{'jitter' if jitter else 'no'}"
     )
     if jitter and sharded:
@@ -430,7 +431,6 @@ def recommend(
             "their throughput is divided by it"
         )
     best = max(usable, key=lambda s: useful[s])
-    anchor_name = "DDP" if anchor == "ddp" else anchor
     if best != anchor and useful[best] < ddp.samples_per_s * (1 + th.min_gain):
         flow.append(
             f"|- {best} predicted to reach a target only {useful[best] / ddp.samples_per_s:.2f}x sooner than "
