@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +193,21 @@ def bootstrap_geomean(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES)
         return None
     rng = random.Random(0)
     means = [geometric_mean([rng.choice(values) for _ in values]) for _ in range(resamples)]
+    return Interval(geometric_mean(values), *_percentile_interval(means))
+
+
+def bootstrap_geomean_clustered(
+    clusters: Sequence[Sequence[float]], resamples: int = BOOTSTRAP_RESAMPLES
+) -> Interval | None:
+    """The geometric mean of ratios that come in clusters sharing a term (pairs whose reference is one and the same
+    run), with its ``CONFIDENCE`` percentile interval resampling whole clusters: what the data say when the clusters,
+    not the ratios, are the independent draws. ``None`` below 2 clusters."""
+    groups = [list(c) for c in clusters if c]
+    values = [v for c in groups for v in c]
+    if len(groups) < 2 or any(v <= 0 for v in values):
+        return None
+    rng = random.Random(0)
+    means = [geometric_mean([v for _ in groups for v in rng.choice(groups)]) for _ in range(resamples)]
     return Interval(geometric_mean(values), *_percentile_interval(means))
 
 

@@ -13,6 +13,11 @@ same question. Pooled:
   over the reference's (a miss counts as the whole budget), the mean of its final metric minus the reference's, in
   points, and the reference's time to the invocation's rule target (:func:`~lightning_syncasync.bench.evidence.
   rule_target`) over its own; each with a ``CONFIDENCE`` bootstrap interval resampling the pairs.
+* **Pairs that share a reference run.** ``ddp``'s learning is bitwise the same run after run for one seed and
+  workload (its curve does not depend on timing: 23 invocations of the long MNIST workload hold 5 distinct ``ddp``
+  curves, one per seed), so every invocation pairs its contender with the same 5 reference runs. The pairs are then
+  not independent draws: the samples column also gives the interval that resamples the distinct reference runs
+  (clusters of pairs), which is the one to read when it is wider.
 * **Between two contenders** that ran side by side (``async_ssp_h4:async_ssp``): the same three figures with the
   second as the reference, over the seeds where both ran: a paired comparison of two settings of one strategy. A
   side may name one setting under the names it had over time (``async_ssp_h4:async_ssp_h8|async_ssp``: rounds of 8
@@ -31,6 +36,7 @@ from lightning_syncasync.bench.evidence import (
     CONFIDENCE,
     REFERENCES,
     bootstrap_geomean,
+    bootstrap_geomean_clustered,
     bootstrap_mean,
     budget_time,
     rule_target,
@@ -50,6 +56,11 @@ class _Pair:
 def _present(names: str, by: dict[str, list[dict[str, Any]]]) -> str | None:
     """The first of ``names`` (``a|b``: one setting under the names it had over time) that ran here."""
     return next((n for n in names.split("|") if by.get(n)), None)
+
+
+def _identity(run: dict[str, Any]) -> tuple[Any, ...]:
+    """Runs with the same seed and the same validation curve are one run repeated (``ddp`` is deterministic)."""
+    return run.get("train_seed"), tuple(round(float(h["value"]), 6) for h in run.get("val_history") or [])
 
 
 def _time(run: dict[str, Any], level: float | None) -> float | None:
@@ -110,10 +121,12 @@ class PooledLearning:
         if not pairs:
             return None
         ratios, finals, speedups = [], [], []
+        by_reference: dict[tuple[Any, ...], list[float]] = {}
         for p in pairs:
             a, b = samples_or_budget(p.run), samples_or_budget(p.ref)
             if a and b:
                 ratios.append(a / b)
+                by_reference.setdefault(_identity(p.ref), []).append(a / b)
             fa, fb = p.run.get("final_val_metric"), p.ref.get("final_val_metric")
             if fa is not None and fb is not None:
                 finals.append(100 * (fa - fb))
@@ -126,6 +139,8 @@ class PooledLearning:
             "reached": sum(samples_to_target(p.run) is not None for p in pairs),
             "reference_reached": sum(samples_to_target(p.ref) is not None for p in pairs),
             "samples": bootstrap_geomean(ratios),
+            "references": len(by_reference),
+            "samples_by_reference": bootstrap_geomean_clustered(list(by_reference.values())),
             "final": bootstrap_mean(finals),
             "speedup": bootstrap_geomean(speedups),
         }
@@ -139,21 +154,23 @@ class PooledLearning:
             f"one seed of one invocation, {CONFIDENCE:.0%} bootstrap intervals resample the pairs:",
             "",
             "| contender | against | pairs (files) | reached the scenario's target (contender; reference) | samples to "
-            "it over the reference's, geometric mean | final - reference's (points), mean | reference's time to the "
-            "rule target over the contender's, geometric mean |",
-            "|---|---|---|---|---|---|---|",
+            "it over the reference's, geometric mean | the same, resampling the distinct reference runs (how many) "
+            "| final - reference's (points), mean | reference's time to the rule target over the contender's, "
+            "geometric mean |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for mine, theirs in [*against, *between]:
             row = self.row(mine, theirs)
             mine, theirs = mine.replace("|", " or "), theirs.replace("|", " or ")  # a "|" would split the cell
             if row is None:
-                lines.append(f"| {mine} | {theirs} | 0 | n/a | n/a | n/a | n/a |")
+                lines.append(f"| {mine} | {theirs} | 0 | n/a | n/a | n/a | n/a | n/a |")
                 continue
             final = row["final"]
             final_s = "n/a" if final is None else f"{final.value:+.2f} [{final.low:+.2f}..{final.high:+.2f}]"
             lines.append(
                 f"| {mine} | {theirs} | {row['pairs']} ({row['files']}) | {row['reached']}/{row['pairs']}; "
-                f"{row['reference_reached']}/{row['pairs']} | {row['samples'] or 'n/a'} | {final_s} "
+                f"{row['reference_reached']}/{row['pairs']} | {row['samples'] or 'n/a'} | "
+                f"{row['samples_by_reference'] or 'n/a'} ({row['references']}) | {final_s} "
                 f"| {row['speedup'] or 'n/a'} |"
             )
         return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_syncasync.bench.evidence import bootstrap_mean
+from lightning_syncasync.bench.evidence import bootstrap_geomean, bootstrap_geomean_clustered, bootstrap_mean
 from lightning_syncasync.bench.pooled import PooledLearning
 from lightning_syncasync.bench.publish import render
 
@@ -50,6 +50,8 @@ def test_pairs_are_matched_by_invocation_and_seed_and_a_miss_counts_as_the_budge
     assert row["samples"].low <= row["samples"].value <= row["samples"].high
     assert row["final"].value == pytest.approx(100 * (0.7 * 0.970 + 0.3 * 0.967 - 0.973))
     assert row["final"].high < 0  # every pair ends below DDP: the interval excludes 0
+    # ddp's 5 seeds are the same 5 runs in both invocations (deterministic): 10 pairs, 5 distinct reference runs.
+    assert row["references"] == 5 and row["samples_by_reference"].value == pytest.approx(row["samples"].value)
     # The invocations' rule target is 0.97 (ddp's epoch 6 of 10, 18 s): LATE reaches it at epoch 9 (13.5 s), NEVER
     # counts its whole budget (15 s).
     assert row["speedup"].value == pytest.approx((18 / 13.5) ** 0.7 * (18 / 15) ** 0.3)
@@ -86,3 +88,17 @@ def test_one_setting_under_two_names_pools_across_invocations():
                                [("async_ssp_h4", "async_ssp_h8|async_ssp")])  # fmt: skip
     row = pooled.row("async_ssp_h4", "async_ssp_h8|async_ssp")
     assert row is not None and row["pairs"] == 10 and row["files"] == 2 and row["reference_reached"] == 5
+
+
+def test_pairs_sharing_a_reference_run_are_resampled_together():
+    # Two invocations of the same 5 seeds: each seed's ratio twice (one reference run each), the seeds far apart.
+    seeds = [0.8, 1.0, 1.1, 1.3, 1.6]
+    pairs = bootstrap_geomean(seeds * 4)  # 20 pairs taken as independent
+    clusters = bootstrap_geomean_clustered([[v] * 4 for v in seeds])  # 5 independent draws
+    alone = bootstrap_geomean(seeds)
+    assert pairs is not None and clusters is not None and alone is not None
+    assert clusters.value == pytest.approx(pairs.value)
+    # Repeating the same draws narrows the pairs' interval; resampling the clusters gives back the 5 seeds' width.
+    assert clusters.high - clusters.low > 1.5 * (pairs.high - pairs.low)
+    assert clusters.high - clusters.low == pytest.approx(alone.high - alone.low, rel=0.35)
+    assert bootstrap_geomean_clustered([[1.0, 1.2]]) is None  # one cluster: nothing to resample
