@@ -633,6 +633,11 @@ CASES: list[Case] = [
          r"cannot reach the Lighthouse at http://127\.0\.0\.1:9", r"HINT: start it", SETUP),
     Case("train-ft-strategy", "Hydra train app", "ft=2 strategy=hier_sync", _train_app("ft=2", "strategy=hier_sync"),
          ValueError, r"ft=2", r"HINT: add strategy=hier_sync_ft", VALIDATION),
+    Case("train-data-order", "Hydra train app", "data_order=-1", _train_app("data_order=-1"), ValueError,
+         r"data_order=-1", r"HINT: data_order=1", VALIDATION),
+    Case("train-data-order-no-seed", "Hydra train app", "data_order=1 seed=null",
+         _train_app("data_order=1", "seed=null"), ValueError, r"data_order=1 .*seed=null", r"HINT: set seed=42",
+         VALIDATION),
     # syncasync-advise
     Case("advise-seconds", "syncasync-advise", "--seconds 0", _advise("--seconds", "0"), CommandFailed,
          r"--seconds must be", r"HINT: e\.g\. --seconds 5", PARSING),
@@ -654,6 +659,8 @@ CASES: list[Case] = [
          r"HINT: pass the file written by --calibrate", LAUNCH),
     Case("advise-local-sgd-steps", "syncasync-advise", "--local-sgd-steps 0.8", _advise("--local-sgd-steps", "0.8"),
          CommandFailed, r"--local-sgd-steps must be >= 1", r"HINT: 1 ranks by throughput alone", PARSING),
+    Case("advise-shard", "syncasync-advise", "--shard maybe", _advise("--shard", "maybe"), CommandFailed,
+         r"--shard 'maybe' is not one of auto, yes, no", r"HINT: --shard yes for a model that does not fit", PARSING),
 ]  # fmt: skip
 
 

@@ -122,8 +122,6 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hier_sync_sharded_int8": ("hier_sync_sharded", {"compression": "int8"}),
 }
 STRATEGIES: tuple[str, ...] = _BASE + tuple(_VARIANTS)
-# The strategies that shard the model (for models that do not fit one device); the others replicate it on every rank.
-SHARDED: tuple[str, ...] = ("fsdp", "hsdp", "hier_sync_sharded", "hier_sync_sharded_int8")
 _SETTINGS: dict[str, frozenset[str]] = {
     "ddp": frozenset({"compression", "compression_ratio", "collective"}),
     "ddp_adaptive_batch": frozenset({"compression", "compression_ratio", "collective"}),
