@@ -71,7 +71,9 @@ def validate_config(cfg: DictConfig) -> None:
     if not isinstance(order, int) or isinstance(order, bool) or order < 0:
         raise ValueError(f"data_order={order!r} is not a draw number; HINT: data_order=1 (0: the seed's own order)")
     if order and cfg.get("seed") is None:
-        raise ValueError("data_order=1 reseeds from the run's seed, but seed=null; HINT: set seed=42 (or data_order=0)")
+        raise ValueError(
+            f"data_order={order} reseeds from the run's seed, but seed=null; HINT: set seed=42 (or data_order=0)"
+        )
     strategy = trainer.get("strategy", "auto")
     if isinstance(strategy, str):
         from lightning_syncasync.strategies import check_strategy_name
