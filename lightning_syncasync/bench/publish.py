@@ -90,6 +90,11 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# DDP against itself, its batches in another order (``data_order=1``): the noise floor of a learning-per-sample ratio,
+# not a contender.
+NOISE_FLOOR = ("ddp_other_order",)
+
+
 def _headline_sources(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
     """``[(scenario, file, its records of that scenario)]``: each scenario's contenders from the latest file holding
     its reference's (``ddp``'s, or ``fsdp``'s where it shards) rows, so that every ratio is of runs side by side in
@@ -99,8 +104,10 @@ def _headline_sources(results: dict[str, list[dict[str, Any]]]) -> list[tuple[st
     ref_file: dict[str, str] = {}
     for name, records in results.items():
         refs = {r["scenario"] for r in records if r["strategy"] in REFERENCES}
+        # A file of the reference against itself only (the noise floor) ranks nothing a headline may name.
+        contenders = {r["scenario"] for r in records if r["strategy"] not in (*REFERENCES, *NOISE_FLOOR)}
         for rec in records:
-            if rec["scenario"] in refs:
+            if rec["scenario"] in refs and rec["scenario"] in contenders:
                 ref_file[rec["scenario"]] = name
     order = list(dict.fromkeys(r["scenario"] for records in results.values() for r in records))
     return [

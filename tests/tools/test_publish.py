@@ -60,6 +60,9 @@ def test_headline_names_a_winner_only_where_its_interval_excludes_one():
     assert "not ranked: 3 seeds" in headline_block({"a.json": [r for r in records if r["train_seed"] < 3]})
     quick = [{**_rec(s, 0, 0.1, 0.9, scenario="homogeneous_long"), "quick": True} for s in ("ddp", "fast")]
     assert [r["scenario"] for r in headline_rows({"a.json": records, "b.json": quick})] == ["straggler_long"]
+    # A later file of ddp against itself in another order (the noise floor) does not replace the ranked one.
+    floor = [_rec(s, seed, 4.0, 0.67, command="floor") for s in ("ddp", "ddp_other_order") for seed in range(5)]
+    assert headline_rows({"a.json": clear, "z.json": floor})[0]["file"] == "a.json"
 
 
 def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_path):
