@@ -23,8 +23,10 @@ from typing import Any
 
 from lightning_syncasync.advise.report import (
     ALL_CANDIDATES,
+    CANDIDATES,
     MODEL_ERROR,
     MODEL_ERROR_CALIBRATED,
+    SHARDED_CANDIDATES,
     Measurements,
     Thresholds,
     calibration_record,
@@ -263,7 +265,7 @@ def _advise(args: argparse.Namespace, overrides: list[str], workload: str) -> in
     )
     _print_measurements(meas, notes)
     # The synchronous anchors (ddp, fsdp for a sharded model) are always candidates: the others must beat them.
-    anchors = ("ddp", "fsdp")
+    anchors = (CANDIDATES[0], SHARDED_CANDIDATES[0])
     available = [s for s in _available() if args.strategies is None or s in args.strategies or s in anchors]
     thresholds = Thresholds(
         allow_async=args.allow_async, local_sgd_steps=args.local_sgd_steps, powersgd_steps=args.powersgd_steps,

@@ -293,16 +293,17 @@ def candidate_settings(
     """Every candidate's settings at ``nodes``; auto_sync's hier mode takes the chosen hier_sync settings."""
     settings = {s: best_settings(model, s, nodes, tolerance) for s in candidates}
     if "auto_sync" in settings:
-        settings["auto_sync"] = dict(best_settings(model, "hier_sync", nodes, tolerance))
+        hier = settings["hier_sync"] if "hier_sync" in settings else best_settings(model, "hier_sync", nodes, tolerance)
+        settings["auto_sync"] = dict(hier)
     return settings
 
 
 def sharding(m: Measurements, th: Thresholds) -> tuple[bool, str]:
     """Whether the model must be sharded, and the decision flow's line saying why."""
+    yes = f"yes: the sharded strategies ({', '.join(SHARDED_CANDIDATES)})"
     if th.shard is not None:
-        return th.shard, (
-            f"|- shard the model? set by the user (--shard {'yes' if th.shard else 'no'}) -> "
-            + (f"yes: the sharded strategies ({', '.join(SHARDED_CANDIDATES)})" if th.shard else "no")
+        return th.shard, f"|- shard the model? set by the user (--shard {'yes' if th.shard else 'no'}) -> " + (
+            yes if th.shard else "no"
         )
     if m.state_bytes <= 0 or m.device_bytes <= 0:
         return False, "|- shard the model? its memory was not measured -> no (--shard yes to shard it)"
@@ -311,8 +312,7 @@ def sharding(m: Measurements, th: Thresholds) -> tuple[bool, str]:
     return sharded, (
         f"|- shard the model? replicated, its training state (parameters, gradients, optimizer state) is "
         f"{m.state_bytes / 1e6:.1f} MB per rank, {share:.1%} of a rank's {m.device_bytes / 1e9:.1f} GB (threshold "
-        f"{th.shard_fraction:.0%}; the rest is for activations) -> "
-        + (f"yes: the sharded strategies ({', '.join(SHARDED_CANDIDATES)})" if sharded else "no")
+        f"{th.shard_fraction:.0%}; the rest is for activations) -> " + (yes if sharded else "no")
     )
 
 
