@@ -1,4 +1,4 @@
-"""How many CPU cores this process may actually use.
+"""How many CPU cores this process may actually use, and how many ranks share its machine.
 
 ``os.cpu_count()`` counts the machine's cores, not the ones a container or a scheduler lends: a CI job pinned to 2
 cores of a 64-core host (CPU affinity) or capped by a cgroup CPU quota would be told 64. Decisions that size work
@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# Set by ``syncasync-emulate``: every emulated node is a network namespace on this one machine, so the ranks sharing
+# its RAM are all the emulated ranks, not LOCAL_WORLD_SIZE (the ranks of one emulated node).
+ENV_HOST_RANKS = "SYNCASYNC_HOST_RANKS"
 
 # cgroup v2's limit, then v1's quota and period (microseconds per period); "max" / -1 mean no limit.
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
@@ -37,3 +41,12 @@ def _cgroup_quota() -> float | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def ranks_on_host(local_world: int) -> int:
+    """The ranks that share this machine's memory: ``local_world`` (LOCAL_WORLD_SIZE), or more under the emulator."""
+    try:
+        emulated = int(os.environ.get(ENV_HOST_RANKS, "0"))
+    except ValueError:
+        emulated = 0
+    return max(1, local_world, emulated)

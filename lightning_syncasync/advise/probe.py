@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_syncasync._cores import ranks_on_host
 from lightning_syncasync.advise.report import Measurements
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.streams import wait_for_device
@@ -324,7 +325,7 @@ def run_probe(overrides: list[str], seconds: float, workload: str, reps: int = 3
         stats = step_statistics(time_compute(model, loader, seconds, rank, device, cpu, state))
         stats["cpu_share"] = cpu[0] / cpu[1] if cpu[1] > 0 else 0.0
         stats["state_bytes"] = state[0]
-        stats["device_bytes"] = device_memory_bytes(device, local_world)
+        stats["device_bytes"] = device_memory_bytes(device, ranks_on_host(local_world))
         if distributed:
             dist.barrier()  # every rank encodes at once, as in a compressed exchange
         stats["codec_s_per_byte"] = codec_s_per_byte(grad_bytes, device, reps)

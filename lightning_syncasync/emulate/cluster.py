@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
-from lightning_syncasync._cores import usable_cores
+from lightning_syncasync._cores import ENV_HOST_RANKS, usable_cores
 from lightning_syncasync.callbacks.faults import ENV_FAULT
 from lightning_syncasync.callbacks.straggler import (
     ENV_JITTER,
@@ -232,7 +232,7 @@ class EmulatedCluster:
         # One intra-op thread per rank: each emulated machine owns its share of one core, not the whole box.
         env.setdefault("OMP_NUM_THREADS", "1")
         for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED, ENV_START_BARRIER,
-                    ENV_FAULT):  # fmt: skip
+                    ENV_FAULT, ENV_HOST_RANKS):  # fmt: skip
             env.pop(var, None)
         if self.independent:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
@@ -246,6 +246,8 @@ class EmulatedCluster:
             if self.network is not None:
                 env.update(self.network.node_env(node))
         env[ENV_SEED] = str(self.seed)
+        # Every emulated node runs on this machine: the probe's memory per rank divides RAM by all of them.
+        env[ENV_HOST_RANKS] = str(self.world_size)
         if self.fault:
             env[ENV_FAULT] = self.fault
         if self.jitter:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _commands import CommandFailed, run_main
 
-from lightning_syncasync._cores import usable_cores
+from lightning_syncasync._cores import ranks_on_host, usable_cores
 from lightning_syncasync.emulate import EmulatedCluster, EmulatedNetwork, EmulationUnavailable
 from lightning_syncasync.emulate import network as network_mod
 from lightning_syncasync.emulate.__main__ import main as emulate_main
@@ -189,6 +189,20 @@ def test_independent_mode_gives_every_rank_a_world_of_one(tmp_path):
     assert (env3["WORLD_SIZE"], env3["RANK"], env3["SYNCASYNC_SLOWDOWN_SCHEDULE"]) == ("1", "0", "0:2.0@0.3-0.6")
     assert "SYNCASYNC_SLOWDOWN_SCHEDULE" in cluster.rank_env(0, 1234) and cluster.rank_env(0, 1234)[
         "SYNCASYNC_SLOWDOWN_SCHEDULE"] == ""  # fmt: skip
+
+
+def test_every_rank_is_told_how_many_ranks_share_the_machine(tmp_path, monkeypatch):
+    # Two emulated nodes of two ranks: LOCAL_WORLD_SIZE is 2, but all 4 ranks share this machine's RAM, which is what
+    # the advisor's probe divides (ranks_on_host). A value left in the caller's environment is replaced.
+    monkeypatch.setenv("SYNCASYNC_HOST_RANKS", "99")
+    cluster = EmulatedCluster(nodes=2, procs_per_node=2, netns=False, cgroups=False, log_dir=tmp_path,
+                              echo_rank0=False)  # fmt: skip
+    env = cluster.rank_env(3, port=1234)
+    assert (env["LOCAL_WORLD_SIZE"], env["SYNCASYNC_HOST_RANKS"]) == ("2", "4")
+    monkeypatch.setenv("SYNCASYNC_HOST_RANKS", env["SYNCASYNC_HOST_RANKS"])
+    assert ranks_on_host(int(env["LOCAL_WORLD_SIZE"])) == 4
+    monkeypatch.delenv("SYNCASYNC_HOST_RANKS")  # a real node: its own ranks share its memory
+    assert ranks_on_host(int(env["LOCAL_WORLD_SIZE"])) == 2
 
 
 def test_without_root_the_error_says_what_to_do(monkeypatch):
