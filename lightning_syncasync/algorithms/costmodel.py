@@ -653,7 +653,9 @@ class ScalingModel:
         return self._finish(nodes, step, mean_compute, step - mean_compute, 0.0, samples, {})
 
     def _auto_sync(self, nodes: int, opts: dict[str, Any]) -> Prediction:
-        # SyncSwitcher's defaults: its sync mode rebalances batches; async is off unless allow_async.
+        # SyncSwitcher's defaults: its sync mode rebalances batches. Its async mode (allow_async, on by default) is
+        # chosen only under jitter above jitter_high, which the probe's pause fit does not map onto: the prediction
+        # is the synchronous modes', a lower bound where the switcher goes async.
         modes = [self.predict("ddp_adaptive_batch", nodes)]
         hier = {k: opts[k] for k in ("inter_period", "max_delay") if k in opts}
         modes.append(self.predict("hier_sync", nodes, **hier))

@@ -62,10 +62,14 @@ class SyncSwitcher(Callback):
         rebalance: run :class:`AdaptiveBatchSize` (added with its defaults if the Trainer has none): a persistent
             straggler is then handled synchronously by rebalancing batches, which measured faster than async.
         rollback: keep the last good state and restore it on divergence.
-        allow_async: let the policy choose ``async`` (jitter, or a persistent straggler without rebalancing). Off by
-            default because on every scenario of the benchmark async_ssp reached the target later than synchronous
-            training with batch rebalancing, or not at all (README, "auto_sync" measurements); turn it on where
-            async is measured to learn well enough (``syncasync-bench`` with ``async_ssp`` on your workload).
+        allow_async: let the policy choose ``async`` (jitter, or a persistent straggler without rebalancing). On by
+            default since 2026-12-05, measured with 5 seeds each (docs/benchmarks.md, "Should auto_sync go async
+            by default"): under jitter (``jitter_long``) the switcher goes async and reaches DDP's rule target
+            sooner, the time of ``allow_async=False`` over this one's 1.23x [1.00-1.70]; on one node with a
+            persistent straggler, one for the middle third, or none (``straggler_long``,
+            ``mid_run_straggler_long``, ``homogeneous_long``) it never went async in 15 of 15 runs (rebalancing
+            answers a straggler). On several nodes a slow link keeps ``hier``, which the policy never leaves.
+            ``False`` keeps every mode synchronous (a workload where async learns too little per sample).
 
     Example::
 
@@ -87,7 +91,7 @@ class SyncSwitcher(Callback):
         cooldown_windows: int = 10,
         rebalance: bool = True,
         rollback: bool = True,
-        allow_async: bool = False,
+        allow_async: bool = True,
     ) -> None:
         if window < 2:
             raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
