@@ -155,7 +155,7 @@ class Thresholds:
             no staleness, no lossy compression).
         settings_tolerance: among a strategy's settings, the least stale within this of the best is chosen.
         allow_async: let the flow recommend async_ssp (its round mode, the default) as the pick. Off by default (the
-            flow's ``auto_sync`` goes async by itself under jitter: ``SyncSwitcher(allow_async=True)``): per-step
+            flow's ``auto_sync`` goes async by itself under jitter on one node: ``SyncSwitcher.allow_async``): per-step
             async learned less per sample on every benchmark scenario;
             round-level async reached the target 1.30x (``straggler_long``) and 1.95x (``jitter_long``) sooner than
             DDP by the median of 3 seeds but missed it in one seed of each, and on ``hetero_slow_link`` it was 1.04x

@@ -653,7 +653,7 @@ class ScalingModel:
         return self._finish(nodes, step, mean_compute, step - mean_compute, 0.0, samples, {})
 
     def _auto_sync(self, nodes: int, opts: dict[str, Any]) -> Prediction:
-        # SyncSwitcher's defaults: its sync mode rebalances batches. Its async mode (allow_async, on by default) is
+        # SyncSwitcher's defaults: its sync mode rebalances batches. Its async mode (allow_async, on one node) is
         # chosen only under jitter above jitter_high, which the probe's pause fit does not map onto: the prediction
         # is the synchronous modes', a lower bound where the switcher goes async.
         modes = [self.predict("ddp_adaptive_batch", nodes)]

@@ -62,15 +62,15 @@ class SyncSwitcher(Callback):
         rebalance: run :class:`AdaptiveBatchSize` (added with its defaults if the Trainer has none): a persistent
             straggler is then handled synchronously by rebalancing batches, which measured faster than async.
         rollback: keep the last good state and restore it on divergence.
-        allow_async: let the policy choose ``async`` (jitter, or a persistent straggler without rebalancing). On by
-            default since 2026-12-05, measured with 5 seeds each (docs/benchmarks.md, "Should auto_sync go async
-            by default"): under jitter (``jitter_long``) the switcher goes async and reaches DDP's rule target
-            sooner, the time of ``allow_async=False`` over this one's 1.23x [1.00-1.70]; on one node with a
-            persistent straggler, one for the middle third, or none (``straggler_long``,
-            ``mid_run_straggler_long``, ``homogeneous_long``) it never went async in 15 of 15 runs (rebalancing
-            answers a straggler). On several nodes a slow link keeps ``hier``, which the policy never leaves.
-            ``False`` keeps every mode synchronous (a workload where async learns too little per sample).
-
+        allow_async: let the policy choose ``async`` (jitter, or a persistent straggler without rebalancing).
+            ``None`` (default): on for one node, off for several, measured with 5 seeds each (docs/benchmarks.md,
+            "Should auto_sync go async by default"). On one node, under jitter (``jitter_long``) the switcher goes
+            async and reaches DDP's rule target sooner, the time with async off over this one's 1.23x [1.00-1.70];
+            with a persistent straggler, one for the middle third, or none (``straggler_long``,
+            ``mid_run_straggler_long``, ``homogeneous_long``) it never went async in 15 of 15 runs, rebalancing
+            answering the straggler. On several nodes it was never measured with async allowed: on
+            ``hetero_slow_link`` the switcher stayed synchronous with rebalancing (5 of 5 runs) and tied for first,
+            where ``async_ssp`` had learned less per sample. ``True``/``False`` decide for every topology.
     Example::
 
         Trainer(strategy="auto_sync", devices=4, callbacks=[SyncSwitcher(window=20, jitter_high=0.6)])
@@ -91,7 +91,7 @@ class SyncSwitcher(Callback):
         cooldown_windows: int = 10,
         rebalance: bool = True,
         rollback: bool = True,
-        allow_async: bool = True,
+        allow_async: bool | None = None,
     ) -> None:
         if window < 2:
             raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
@@ -142,7 +142,9 @@ class SyncSwitcher(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, SwitchesModes)
-        available = [m for m in strategy.available_modes if m != "async" or self.allow_async]
+        allow, why = self.async_allowed(strategy.available_modes)
+        rank_zero_info(f"SyncSwitcher: async mode {'allowed' if allow else 'off'} ({why})")
+        available = [m for m in strategy.available_modes if m != "async" or allow]
         self.policy = SwitchPolicy(available=available, rebalance=self._rebalancing(trainer), **self._policy_args)
         if self._policy_state is not None:
             self.policy.load_state_dict(self._policy_state)
@@ -150,6 +152,14 @@ class SyncSwitcher(Callback):
         self._losses = []
         self._good = None
         self._pending = None
+
+    def async_allowed(self, available_modes: tuple[str, ...]) -> tuple[bool, str]:
+        """Whether the policy may choose ``async`` on this run's topology, and why (logged once at fit start)."""
+        if self.allow_async is not None:
+            return self.allow_async, f"allow_async={self.allow_async}"
+        if "hier" in available_modes:  # more than one node, real or virtual
+            return False, "default on several nodes: async is measured on one node only; allow_async=True to allow it"
+        return True, "default on one node: measured sooner to the target under jitter; allow_async=False to keep sync"
 
     # -- per step ------------------------------------------------------------------------------------------------
 
