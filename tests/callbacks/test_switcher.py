@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from _models import TinyModel
 
@@ -64,3 +65,5 @@ def test_async_is_allowed_by_default_on_one_node_only_and_a_setting_decides_ever
     for setting in (True, False):
         for modes in (("sync", "async"), ("sync", "hier", "async")):
             assert SyncSwitcher(allow_async=setting).async_allowed(modes) == (setting, f"allow_async={setting}")
+    with pytest.raises(ValueError, match="allow_async must be None, True or False, got 'yes'; HINT"):
+        SyncSwitcher(allow_async="yes")  # type: ignore[arg-type]
