@@ -97,7 +97,7 @@ class SyncSwitcher(Callback):
             raise ValueError(f"window must be >= 2 steps, got {window}; HINT: 10 decides every 10 steps")
         if first_window < 2:
             raise ValueError(f"first_window must be >= 2 steps, got {first_window}; HINT: 3 decides after 3 steps")
-        if allow_async not in (None, True, False):
+        if allow_async is not None and not isinstance(allow_async, bool):  # `1 in (True,)` would let 1 through
             raise ValueError(
                 f"allow_async must be None, True or False, got {allow_async!r}; HINT: None allows async on one node "
                 "only (the measured default), True or False decides for every topology"

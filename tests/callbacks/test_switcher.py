@@ -67,3 +67,5 @@ def test_async_is_allowed_by_default_on_one_node_only_and_a_setting_decides_ever
             assert SyncSwitcher(allow_async=setting).async_allowed(modes) == (setting, f"allow_async={setting}")
     with pytest.raises(ValueError, match="allow_async must be None, True or False, got 'yes'; HINT"):
         SyncSwitcher(allow_async="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="allow_async must be None, True or False, got 1; HINT"):
+        SyncSwitcher(allow_async=1)  # type: ignore[arg-type]
