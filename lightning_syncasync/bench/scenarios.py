@@ -41,6 +41,10 @@ Workloads and what they mirror:
   1.5x slower by the same per-step pause as ``straggler``. DDP sends 88 KB per rank per step across the link (about
   14 ms of the node's 100 Mbit/s against 110-118 ms of compute on the fast node): the slow node, not the link,
   dominates. Measured once (``--quick``, ddp): 81.0% of the limit, 69.3% of its own bound, 28% of the step waiting.
+* ``jitter_slow_link``: ``hetero_slow_link``'s cluster (2 nodes x 2 ranks, 100 Mbit/s between them) with equal
+  nodes and ``jitter_long``'s transient pauses on every rank (4x its compute with p=0.1 each step): noisy
+  neighbours on machines on two hosts. It is where ``auto_sync``'s async mode is decided on several nodes: its
+  switcher goes async on jitter, and on one node (``jitter_long``) it did so in 5 of 5 runs.
 
 * ``elastic_no_faults`` / ``preemption`` / ``scale_out``: node faults (:mod:`lightning_syncasync.bench.elastic`):
   2 equal nodes x 2 ranks on 100 Mbit/s, the long MNIST workload, every contender one job per node. ``preemption``
@@ -194,6 +198,7 @@ _MNIST_TARGET, _MNIST_QUICK_TARGET = 0.97, 0.96  # from DDP-equivalent runs alon
 _LM_MIRRORS = "a GPU cluster training a few-hundred-million-parameter model over 10 GbE (communication > compute)"
 _CONV_MIRRORS = "data-parallel convnet training on a fast network (compute >> communication)"
 _HETERO_MIRRORS = "two machines of different generations on a 100 Mbit/s link (the slow node costs more than the link)"
+_JITTER_LINK_MIRRORS = "two shared machines with noisy neighbours on a 100 Mbit/s link (pauses cost more than the link)"
 
 # Node faults: slow_link's cluster (2 equal nodes, 100 Mbit/s), not hetero_slow_link's. Equal nodes make the
 # capacity present independent of which node dies, and hetero_slow_link's slowness is a per-step pause injected per
@@ -290,6 +295,14 @@ SCENARIOS: dict[str, Scenario] = {
             nodes=2, procs_per_node=2, link_mbit=100.0, schedule="2:1.5@0-1,3:1.5@0-1", overrides=_MNIST,
             steps=_MNIST_STEPS, quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET,
             quick_target=_MNIST_QUICK_TARGET, mirrors=_HETERO_MIRRORS,
+        ),
+        Scenario(
+            name="jitter_slow_link",
+            description="2 nodes x 2 ranks, 100 Mbit/s between nodes, each step each rank pauses 4x its compute "
+            "time with p=0.1; MNIST-5k convnet",
+            nodes=2, procs_per_node=2, link_mbit=100.0, jitter="0.1:4", overrides=_MNIST, steps=_MNIST_STEPS,
+            quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
+            mirrors=_JITTER_LINK_MIRRORS,
         ),
         Scenario(
             name="elastic_no_faults",

@@ -218,7 +218,9 @@ def test_the_bound_is_the_contenders_own_no_wait_speed_where_that_beats_the_idea
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["straggler_long", "jitter_long", "mid_run_straggler_long", "hetero_slow_link"])
+@pytest.mark.parametrize(
+    "name", ["straggler_long", "jitter_long", "mid_run_straggler_long", "hetero_slow_link", "jitter_slow_link"]
+)
 def test_long_scenarios_compose_and_train_at_least_ten_epochs(tmp_path, name):
     from lightning_syncasync.bench.runner import BenchRunner
     from lightning_syncasync.bench.scenarios import SCENARIOS
@@ -236,6 +238,9 @@ def test_long_scenarios_compose_and_train_at_least_ten_epochs(tmp_path, name):
     if name == "hetero_slow_link":
         assert (scenario.nodes, scenario.procs_per_node, scenario.link_mbit) == (2, 2, 100.0)
         assert slow == {2: 1.5, 3: 1.5}  # node 1
+    elif name == "jitter_slow_link":  # jitter_long's pauses on hetero_slow_link's cluster, with equal nodes
+        assert (scenario.nodes, scenario.procs_per_node, scenario.link_mbit) == (2, 2, 100.0)
+        assert not slow and scenario.jitter == SCENARIOS["jitter_long"].jitter
     else:
         assert (scenario.nodes, scenario.procs_per_node) == (1, 4)
 
