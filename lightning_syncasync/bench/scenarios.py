@@ -43,8 +43,9 @@ Workloads and what they mirror:
   dominates. Measured once (``--quick``, ddp): 81.0% of the limit, 69.3% of its own bound, 28% of the step waiting.
 * ``jitter_slow_link``: ``hetero_slow_link``'s cluster (2 nodes x 2 ranks, 100 Mbit/s between them) with equal
   nodes and ``jitter_long``'s transient pauses on every rank (4x its compute with p=0.1 each step): noisy
-  neighbours on machines on two hosts. It is where ``auto_sync``'s async mode is decided on several nodes: its
-  switcher goes async on jitter, and on one node (``jitter_long``) it did so in 5 of 5 runs.
+  neighbours on machines on two hosts. It is where ``auto_sync``'s async mode was decided on several nodes: on one
+  node (``jitter_long``) its switcher went async in 5 of 5 runs, here it went ``hier`` at its first window in 5 of 5,
+  async allowed or not (every rank waits for the others' pauses, which reads as communication).
 
 * ``elastic_no_faults`` / ``preemption`` / ``scale_out``: node faults (:mod:`lightning_syncasync.bench.elastic`):
   2 equal nodes x 2 ranks on 100 Mbit/s, the long MNIST workload, every contender one job per node. ``preemption``
@@ -193,6 +194,7 @@ _MNIST = (
     "model.schedule=cosine",
     "trainer.check_val_every_n_epoch=1",
 )
+_PAUSES = "0.1:4"  # the jitter scenarios' transient pauses: each step, each rank pauses 4x its compute with p=0.1
 _MNIST_STEPS, _MNIST_QUICK_STEPS = 400, 150  # 16 and 6 epochs at 4 ranks
 _MNIST_TARGET, _MNIST_QUICK_TARGET = 0.97, 0.96  # from DDP-equivalent runs alone (module docstring)
 _LM_MIRRORS = "a GPU cluster training a few-hundred-million-parameter model over 10 GbE (communication > compute)"
@@ -251,7 +253,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             name="jitter",
             description="4 ranks on one node, each step each rank pauses 4x its compute time with p=0.1",
-            nodes=1, procs_per_node=4, jitter="0.1:4", overrides=_CONVNET, steps=400, quick_steps=120, target=0.95,
+            nodes=1, procs_per_node=4, jitter=_PAUSES, overrides=_CONVNET, steps=400, quick_steps=120, target=0.95,
             quick_target=0.90, mirrors=_CONV_MIRRORS,
         ),
         Scenario(
@@ -271,7 +273,7 @@ SCENARIOS: dict[str, Scenario] = {
             name="jitter_long",
             description="4 ranks on one node, each step each rank pauses 4x its compute time with p=0.1; MNIST-5k "
             "convnet",
-            nodes=1, procs_per_node=4, jitter="0.1:4", overrides=_MNIST, steps=_MNIST_STEPS,
+            nodes=1, procs_per_node=4, jitter=_PAUSES, overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_CONV_MIRRORS,
         ),
@@ -300,7 +302,7 @@ SCENARIOS: dict[str, Scenario] = {
             name="jitter_slow_link",
             description="2 nodes x 2 ranks, 100 Mbit/s between nodes, each step each rank pauses 4x its compute "
             "time with p=0.1; MNIST-5k convnet",
-            nodes=2, procs_per_node=2, link_mbit=100.0, jitter="0.1:4", overrides=_MNIST, steps=_MNIST_STEPS,
+            nodes=2, procs_per_node=2, link_mbit=100.0, jitter=_PAUSES, overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_JITTER_LINK_MIRRORS,
         ),
