@@ -16,6 +16,8 @@ rewrites (and nothing else)::
     <!-- bench:end -->                                   --table <from>/collective_bytes.json`` prints (a study script)
     <!-- bench:pooled a.json,b.json async_ssp_h4:async_ssp -->   learning per sample pooled over those files' pairs
     <!-- bench:end -->                                   of seeds (:mod:`~lightning_syncasync.bench.pooled`)
+    <!-- bench:against a.json:auto_sync,b.json:auto_sync_async -->   each named contender against the soonest
+    <!-- bench:end -->                                   fixed contender of its own file (issue 48's auto_sync target)
 
 A results file is a ``syncasync-bench`` folder's ``results.json`` copied into ``--from`` (any ``*.json`` there, or
 ``<name>/results.json``, holding a list of bench records); re-running one scenario into it and regenerating
@@ -47,7 +49,7 @@ from lightning_syncasync.bench.report import (
 from lightning_syncasync.bench.scenarios import lookup
 
 _BLOCK = re.compile(
-    r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S
+    r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled|against) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S
 )
 HEADLINE_FIGURE = "headline.png"
 
@@ -324,6 +326,49 @@ def pooled_block(args: list[str], results: dict[str, list[dict[str, Any]]]) -> s
     return "\n".join(PooledLearning.of(results, files, between).table(between)) + "\n"
 
 
+# Contenders that choose their algorithm while they run: never "the best fixed contender" of a file.
+ADAPTIVE_PREFIX = "auto_sync"
+
+
+def against_block(arg: str, results: dict[str, list[dict[str, Any]]]) -> str:
+    """``bench:against FILE:CONTENDER,...``: per pair, the contender against the soonest fixed contender (any other
+    strategy not named ``auto_sync*``) of the same file, ranked as the headline ranks (the reference's rule target,
+    censored misses, paired seeds): the fixed one's median time over the contender's with its bootstrap interval.
+    Issue 48's targets read its upper end: >= 1.0 is "at least the best fixed", >= 0.9 "within 10% of it"."""
+    lines = [
+        "| scenario | contender | best fixed contender | its median time to target (s) | contender's (s) "
+        "| best fixed's time over the contender's (90% CI) | contender reached | upper end >= 1.0 / >= 0.9 | records |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for item in (i for i in arg.split(",") if i):
+        name, sep, contender = item.rpartition(":")
+        if not sep or name not in results or not contender:
+            raise ValueError(
+                f"bench:against item {item!r} is not FILE:CONTENDER of a results file; HINT: e.g. "
+                f"slow_link_5seeds-auto_sync.json:auto_sync, files from {sorted(results)}"
+            )
+        records = [r for r in results[name] if not r.get("quick")]
+        for scenario in dict.fromkeys(r["scenario"] for r in records):
+            by = side_by_side([r for r in records if r["scenario"] == scenario])
+            if contender not in by:
+                raise ValueError(f"bench:against: {name} has no {contender!r} runs of {scenario}; HINT: it has "
+                                 f"{sorted(by)}")  # fmt: skip
+            ranking = Ranking.of(scenario, by)
+            mine = next((s for s in ranking.standings if s.strategy == contender), None)
+            fixed = next((s for s in ranking.standings if not s.strategy.startswith(ADAPTIVE_PREFIX)), None)
+            if mine is None or fixed is None or ranking.verdict.startswith("not ranked"):
+                lines.append(f"| `{scenario}` | `{contender}` | n/a | n/a | n/a | {ranking.verdict} | n/a | n/a "
+                             f"| `{name}` |")  # fmt: skip
+                continue
+            ratio = bootstrap_ratio(fixed.times, mine.times)
+            meets = "n/a" if ratio is None else " / ".join("yes" if ratio.high >= t else "no" for t in (1.0, 0.9))
+            lines.append(
+                f"| `{scenario}` | `{contender}` | `{fixed.strategy}` | {fixed.median:.1f} | {mine.median:.1f} "
+                f"| {ratio or 'n/a'} | {mine.reached}/{mine.seeds} | {meets} | `{name}` |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def render(
     text: str, results: dict[str, list[dict[str, Any]]], source: Path | None = None, scripts: Path | None = None
 ) -> str:
@@ -336,6 +381,8 @@ def render(
             body = headline_block(results)
         elif kind.startswith("pooled "):
             body = pooled_block(kind.split()[1:], results)
+        elif kind.startswith("against "):
+            body = against_block(kind.split(" ", 1)[1], results)
         elif kind.startswith("advice "):
             if source is None:
                 raise ValueError(f"{kind}: needs the results folder")

@@ -123,6 +123,28 @@ def test_the_advisor_is_scored_against_the_measured_ranking(tmp_path):
         advice_block(tmp_path / "nope.json", results)
 
 
+def test_an_adaptive_contender_is_set_against_the_best_fixed_contender_of_its_own_file():
+    from lightning_syncasync.bench.publish import against_block
+
+    records = [_rec("ddp", s, 4.0 + 0.1 * s, 0.67) for s in range(5)]
+    records += [_rec("hier_sync", s, 2.0, 0.9) for s in range(5)]
+    # auto_sync_async is sooner than every fixed contender but never "the best fixed" one itself.
+    records += [_rec("auto_sync_async", s, 1.0, 0.9) for s in range(5)]
+    records += [_rec("auto_sync", s, t, 0.9) for s, t in enumerate([2.1, 2.5, 2.2, 2.6, 2.2])]
+    block = against_block("a.json:auto_sync,a.json:auto_sync_async", {"a.json": records})
+    # hier_sync reaches 0.965 at epoch 5 (10 s) on every seed; auto_sync at 10.5/12.5/11/13/11 s:
+    # behind on every seed, by under 10% on some.
+    auto = next(line for line in block.splitlines() if "| `auto_sync` |" in line)
+    assert "| `hier_sync` | 10.0 | 11.0 | 0.91x [" in auto and "| 5/5 | no / yes | `a.json` |" in auto
+    fast = next(line for line in block.splitlines() if "| `auto_sync_async` |" in line)
+    assert "| `hier_sync` | 10.0 | 5.0 | 2.00x [2.00-2.00] | 5/5 | yes / yes |" in fast
+    few = {"a.json": [r for r in records if r["train_seed"] < 3]}
+    assert "not ranked: 3 seeds" in against_block("a.json:auto_sync", few)
+    for bad in ("a.json", "b.json:auto_sync", "a.json:async_ssp"):
+        with pytest.raises(ValueError, match="HINT"):
+            against_block(bad, {"a.json": records})
+
+
 def test_a_marker_naming_a_missing_results_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="HINT"):
         render("<!-- bench:table nope.json -->\n<!-- bench:end -->\n", {})
