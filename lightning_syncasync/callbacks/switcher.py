@@ -72,9 +72,9 @@ class SyncSwitcher(Callback):
             two nodes (``jitter_slow_link``) the switcher went ``hier`` at its first window in 5 of 5 runs either
             way (the ranks' waits for each other's pauses read as communication), the time with async off over
             allowed 1.06x [0.93-1.34]; on ``hetero_slow_link`` it stayed synchronous with rebalancing (5 of 5).
-            There ``async_ssp`` itself beats ``hier_sync`` (the latter's time over its own 1.23x [1.04-1.31]): the
-            policy checks communication before jitter, so reaching async there needs a policy that tells waiting
-            for the link from waiting for a paused rank, not this default.
+            There ``async_ssp`` itself beats ``hier_sync`` (``hier_sync``'s time to target over ``async_ssp``'s
+            1.23x [1.04-1.31]); the policy checks communication before jitter, so reaching async there needs a
+            policy that tells waiting for the link from waiting for a paused rank, not this default.
             ``True``/``False`` decide for every topology.
     Example::
 
