@@ -194,6 +194,32 @@ _MNIST = (
     "model.schedule=cosine",
     "trainer.check_val_every_n_epoch=1",
 )
+# The link-bound workload (issue 64): a BatchNorm CNN whose 3.3 MB of fp32 parameters sit mostly in one wide
+# fully-connected layer, SGD with momentum, batch 32. At 100 Mbit/s one exchange of it (about 0.3 s) is several steps
+# of compute, at 1 Gbit/s less than one: the two links differ more than 10x in their compute-to-communication ratio,
+# so no fixed round length is best on both.
+_WIDE = (
+    "data=mnist5k",
+    "data.batch_size=32",
+    "model=convnet",
+    "model.input_shape=[1,28,28]",
+    "model.channels=32",
+    "model.depth=2",
+    "model.fc_hidden=512",
+    "model.batch_norm=true",
+    "model.optimizer=sgd",
+    "model.momentum=0.9",
+    "model.lr=0.02",
+    "model.warmup_steps=10",
+    "model.schedule=cosine",
+    "trainer.check_val_every_n_epoch=1",
+)
+_WIDE_STEPS, _WIDE_QUICK_STEPS = 300, 120  # 9.6 and 3.8 epochs of 31 steps at 4 ranks
+_WIDE_TARGET, _WIDE_QUICK_TARGET = 0.95, 0.90
+_LINK_BOUND = dict(
+    nodes=2, procs_per_node=2, overrides=_WIDE, steps=_WIDE_STEPS, quick_steps=_WIDE_QUICK_STEPS,
+    target=_WIDE_TARGET, quick_target=_WIDE_QUICK_TARGET, ideal_s=20, quick_ideal_s=10,
+)  # fmt: skip
 _PAUSES = "0.1:4"  # the jitter scenarios' transient pauses: each step, each rank pauses 4x its compute with p=0.1
 _MNIST_STEPS, _MNIST_QUICK_STEPS = 400, 150  # 16 and 6 epochs at 4 ranks
 _MNIST_TARGET, _MNIST_QUICK_TARGET = 0.97, 0.96  # from DDP-equivalent runs alone (module docstring)
@@ -305,6 +331,24 @@ SCENARIOS: dict[str, Scenario] = {
             nodes=2, procs_per_node=2, link_mbit=100.0, jitter=_PAUSES, overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_JITTER_LINK_MIRRORS,
+        ),
+        Scenario(
+            name="link_bound",
+            description="2 nodes x 2 ranks, 100 Mbit/s between nodes, a 3.3 MB BatchNorm CNN (one wide FC layer), "
+            "SGD with momentum: an exchange of the model takes several steps of compute",
+            link_mbit=100.0, mirrors="a model of hundreds of MB on a 10 GbE cluster (communication >> compute)",
+            **_LINK_BOUND,
+        ),
+        Scenario(
+            name="link_fast",
+            description="link_bound's model and cluster at 1 Gbit/s: an exchange takes less than a step",
+            link_mbit=1000.0, mirrors="the same model on a fast fabric (communication < compute)", **_LINK_BOUND,
+        ),
+        Scenario(
+            name="link_bound_slow_node",
+            description="link_bound with node 1 (ranks 2, 3) 1.5x slower",
+            link_mbit=100.0, schedule="2:1.5@0-1,3:1.5@0-1",
+            mirrors="two machines of different generations, a large model, a slow link", **_LINK_BOUND,
         ),
         Scenario(
             name="elastic_no_faults",

@@ -64,6 +64,7 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
+from lightning_syncasync.strategies._round_length import RoundLengthReport, round_length
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, drop_added_callback_states
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -266,14 +267,13 @@ class AsyncSSPStrategy(
             DiLoCo; ``1``: each round's exchange overlaps the next round's steps), in steps with ``local_steps=1``
             (``0``: synchronous; ``None``: ASP, no bound, per-step mode only).
         local_steps: local optimizer steps per round at the ranks' mean speed (``1``: per-step gradient exchange).
-            Default 4, chosen over 8 on the four asynchronous MNIST scenarios (``straggler_long``, ``jitter_long``,
-            ``mid_run_straggler_long``, ``hetero_slow_link``; 25 seed pairs of 5-seed invocations, pooled, 90%
-            bootstrap intervals, docs/benchmarks.md): rounds of 4 needed 0.88x [0.79-0.97] the samples of rounds of
-            8 to reach 0.97, at a time to the rule target 1.08x [0.98-1.18] as short (a tie); against DDP 1.13x
-            [1.03-1.24] its samples over 35 pairs (25 reaching 0.97), where 8 needed 1.24x [1.14-1.35] over 30. On
-            the held-out kind of workload, the convnet with SGD and momentum in ``scripts/local_steps_study.py``,
-            rounds of 4 need 1.04x [0.92-1.15] DDP's steps to 0.945 (8: 1.55x [1.39-1.76]); after a 20-step
-            synchronous start the same holds (4: 1.05x, 8: 1.33x).
+            ``None`` (default): decided from what the rounds measure, the shortest round (2 or more) whose exchange
+            hides behind the next ``staleness`` rounds' compute with a 1.5x margin, re-decided when the link or the
+            step time drifts (:class:`~lightning_syncasync.algorithms.averaging.RoundLength`; logged at setup and at
+            each change, shown in ``SyncMonitor``'s summary). Shorter rounds learn more per sample (rounds of 4
+            needed 0.88x [0.79-0.97] the samples of rounds of 8 on the MNIST scenarios), so the rule takes the
+            shortest the link allows. An integer pins the length (exact, repeatable rounds); a pinned length the
+            link cannot hide is warned about once, with the numbers (docs/benchmarks.md#self-tuned-round-length).
         outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
             (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the Nesterov variants' settings.
@@ -336,7 +336,7 @@ class AsyncSSPStrategy(
     def __init__(
         self,
         staleness: int | None = 1,
-        local_steps: int = 4,
+        local_steps: int | None = None,
         outer: Outer = "average",
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
@@ -366,13 +366,14 @@ class AsyncSSPStrategy(
                 "(per-rank batch sizes against a shared queue of batches). HINT: claim_batches=False to rebalance "
                 "batches, or adaptive_batch=False to claim them"
             )
-        if warmup_steps and not (isinstance(local_steps, int) and local_steps > 1):
+        rounds = local_steps is None or (isinstance(local_steps, int) and local_steps > 1)
+        if warmup_steps and not rounds:
             raise ValueError(
                 f"warmup_steps={warmup_steps} is a synchronous start before the rounds, and local_steps={local_steps} "
                 "is per-step mode (no rounds). HINT: local_steps > 1, or warmup_steps=0"
             )
         # The staleness bound counts rounds (an integer) only in round mode; per-step mode also takes None (ASP).
-        check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, round_s)
+        check_rounds(local_steps, staleness if rounds else 0, round_s)
         if round_s is not None and not dynamic_local_steps:
             raise ValueError(
                 f"round_s={round_s} is a wall-clock round length, and dynamic_local_steps=False makes every round "
@@ -421,11 +422,12 @@ class AsyncSSPStrategy(
         self._restored: dict[str, Any] | None = None
         self._in_training_step = False
         self._step_open = False
+        self._length_report: RoundLengthReport | None = None
 
     @property
     def round_mode(self) -> bool:
-        """Whether training runs in rounds (``local_steps > 1``) rather than per-step gradient exchange."""
-        return self.local_steps > 1
+        """Whether training runs in rounds (``local_steps`` unset or > 1) rather than per-step gradient exchange."""
+        return self.local_steps is None or self.local_steps > 1
 
     @override
     def setup_environment(self) -> None:
@@ -503,7 +505,7 @@ class AsyncSSPStrategy(
             self.rounds = RoundExchange(
                 self._params,
                 self._group,
-                local_steps=self.local_steps,
+                length=round_length(self.local_steps, self.staleness, min_steps=2),
                 staleness=self.staleness,
                 round_s=self.round_s,
                 dynamic=self.dynamic_local_steps,
@@ -518,6 +520,7 @@ class AsyncSSPStrategy(
                 self.rounds.load_state_dict(self._restored)
                 self._restored = None
             self.rounds.start()
+            self._length_report = RoundLengthReport(self.rounds.length, "async_ssp")
             return
         self._apply = server_update(optimizer, self._params, module)
         self.exchange = SSPExchange(
@@ -640,6 +643,8 @@ class AsyncSSPStrategy(
             out = super().optimizer_step(optimizer, checked, model, **kwargs)
             with as_divergence(self.global_rank):
                 self.rounds.after_step()
+            if self._length_report is not None:
+                self._length_report.poll()
             return out
         ex = self.exchange
         if ex is None:
@@ -690,10 +695,12 @@ class AsyncSSPStrategy(
     @override
     def summary_notes(self) -> list[str]:
         """What SyncMonitor's summary header should say: under ``claim_batches`` ``max_steps`` is a budget over every
-        rank, so the ranks' step counts differ and none of them reads ``max_steps``."""
+        rank, so the ranks' step counts differ and none of them reads ``max_steps``; in round mode, the round length
+        and where it came from."""
+        notes = [self._length_report.note()] if self._length_report is not None else []
         if not (self._claiming and self.planned_steps):
-            return []
-        return [
+            return notes
+        return notes + [
             f"max_steps={self.planned_steps} is a budget over all ranks here: {self.planned_steps * self.world_size} "
             f"batches ({self.planned_steps} x {self.world_size} ranks) claimed from a shared queue, so a faster rank "
             f"takes more steps (the steps column; each rank's global_step is its own; the budget ends at an epoch end)"
@@ -1033,7 +1040,8 @@ def _log_rounds(rounds: RoundExchange) -> None:
     if st.local_steps:
         log.info(
             "async_ssp: %d rounds delivered; local steps per round mean %.1f (min %d, max %d); lag mean %.2f max %d; "
-            "%.2f s waited on the staleness bound",
+            "%.2f s waited on the staleness bound; %d rounds ended with no step to catch up after a pause; %s",
             st.rounds, sum(st.local_steps) / len(st.local_steps), min(st.local_steps), max(st.local_steps),
-            sum(st.lags) / max(len(st.lags), 1), max(st.lags, default=0), st.wait_s,
+            sum(st.lags) / max(len(st.lags), 1), max(st.lags, default=0), st.wait_s, st.catch_up,
+            rounds.length.describe(),
         )  # fmt: skip

@@ -88,22 +88,26 @@ import torch.distributed as dist
 from lightning_syncasync.algorithms._comm import CommThread, all_reduce_
 from lightning_syncasync.algorithms._flat import add_flat_, broadcast_flat_
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
+from lightning_syncasync.algorithms.averaging.round_length import RoundLength
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 
 # Metadata per rank in a round: local steps, samples, mean step time (s), end time (wall clock, s since the
-# exchange's time origin). After them two counts over ranks: the ranks that flag a cut, and the clean ones (nothing
-# changed on them since the last cut).
-_FIELDS = 4
+# exchange's time origin), and the duration of the rank's last completed exchange of pseudo-gradients (s, on the
+# exchange thread, after the metadata all-reduce lined the ranks up: the link's time, not a wait for a late peer).
+# After them two counts over ranks: the ranks that flag a cut, and the clean ones (nothing changed on them since the
+# last cut).
+_FIELDS = 5
 
 
-def check_rounds(local_steps: int, staleness: int | None, round_s: float | None) -> None:
-    """Validate round settings (the strategy checks them at construction, before any process starts)."""
-    if not isinstance(local_steps, int) or local_steps < 1:
+def check_rounds(local_steps: int | None, staleness: int | None, round_s: float | None) -> None:
+    """Validate round settings (the strategy checks them at construction, before any process starts).
+    ``local_steps=None`` is a length decided from the measured link (:class:`RoundLength`)."""
+    if local_steps is not None and (not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1):
         raise ValueError(
-            f"local_steps must be an integer >= 1, got {local_steps!r}; HINT: 1 exchanges a gradient every step "
-            "(per-step async), 4 is the round-level default"
+            f"local_steps must be an integer >= 1 or None, got {local_steps!r}; HINT: None (the default) decides the "
+            "round length from the measured step and exchange times, 1 exchanges a gradient every step (per-step async)"
         )
     if staleness is None or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(
@@ -134,6 +138,8 @@ class RoundStats:
     lags: list[int] = field(default_factory=list)  # rounds launched since a round, when it was applied
     wait_s: float = 0.0  # time the training loop blocked on the staleness bound
     round_s: list[float] = field(default_factory=list)  # the decided round length, per dynamic round
+    exchange_s: list[float] = field(default_factory=list)  # the slowest rank's exchange time, per delivered round
+    catch_up: int = 0  # rounds ended with no step by a rank that was behind the others (it was paused)
 
 
 class RoundExchange:
@@ -142,7 +148,10 @@ class RoundExchange:
     Args:
         params: the replica's parameters, in a fixed order, identical on every rank at start.
         group: a process group over every rank, used by nothing else (the rounds run on a thread of their own).
-        local_steps: steps per round (``dynamic``: at the ranks' mean speed).
+        local_steps: steps per round (``dynamic``: at the ranks' mean speed); ignored when ``length`` is given.
+        length: the policy that decides the steps per round from the measured step and exchange times
+            (:class:`~lightning_syncasync.algorithms.averaging.round_length.RoundLength`); ``None``: ``local_steps``,
+            fixed. Every rank feeds it the same delivered metadata, so every rank decides the same length.
         staleness: rounds a rank may run ahead of the last round delivered (``0``: synchronous rounds).
         round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
         dynamic: rounds of wall-clock length, so each rank's local steps follow its speed (module docstring).
@@ -183,8 +192,9 @@ class RoundExchange:
         buffers: Sequence[torch.Tensor] = (),
         node_group: dist.ProcessGroup | None = None,
         side_stream: bool = True,
+        length: RoundLength | None = None,
     ) -> None:
-        check_rounds(local_steps, staleness, round_s)
+        check_rounds(local_steps if length is None else length.steps, staleness, round_s)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not params:
@@ -200,7 +210,8 @@ class RoundExchange:
         self.tensors = list(params)
         self.buffers = list(buffers)
         self.group = group
-        self.local_steps, self.staleness, self.round_s, self.dynamic = local_steps, staleness, round_s, dynamic
+        self.length = length if length is not None else RoundLength(fixed=local_steps, overlap=max(staleness, 1))
+        self.staleness, self.round_s, self.dynamic = staleness, round_s, dynamic
         self.outer = outer if outer is not None else OuterOptimizer("average")
         self.compressor = compressor if compressor is not None and compressor.method != "none" else None
         if self.compressor is not None:
@@ -223,6 +234,8 @@ class RoundExchange:
         self._ends: dict[int, float] = {}  # median end time per delivered round (for the deadlines)
         self._lengths: dict[int, float] = {}  # the round length each delivered round's metadata decides
         self._deadline: float | None = None  # the current round's end (wall clock), None: a fixed-step round
+        self._exchange_s = 0.0  # this rank's last exchange's duration (set on the exchange thread)
+        self._behind = False  # this rank ended the last delivered round over half a round after the others' median
         self._thread: CommThread | None = None
         self._clean = True  # nothing changed on this rank since the last cut (the replicas start equal)
         self._losses: torch.Tensor | None = None  # note_loss's sum over the current round, on the device
@@ -252,6 +265,11 @@ class RoundExchange:
         return torch.cat([t.detach().reshape(-1).float() for t in self.tensors])
 
     @property
+    def local_steps(self) -> int:
+        """Steps per round now (the policy's current length; ``dynamic``: at the ranks' mean speed)."""
+        return self.length.steps
+
+    @property
     def in_flight(self) -> int:
         return len(self._flight)
 
@@ -270,8 +288,12 @@ class RoundExchange:
         if self._agree(self._round_over()):
             self._end_round(cut=False)
             # A rank past the next deadline already (it was paused) ends that round too, with no new step, so it
-            # stays on the others' round grid instead of running one round behind for good.
+            # stays on the others' round grid instead of running one round behind for good. Only a rank that is
+            # behind the others does (``_end_round`` re-anchors the deadline of one that is late with everyone,
+            # after waiting for the link): rounds with no step, launched back to back behind a slow link, were
+            # issue 64's storm.
             while self._agree(self._deadline is not None and time.time() >= self._deadline):
+                self.stats.catch_up += 1
                 self._end_round(cut=False)
         self._last_step_at = time.perf_counter()  # the time blocked above is not step time
 
@@ -326,6 +348,7 @@ class RoundExchange:
         self._ends.clear()
         self._lengths.clear()
         self._deadline = None
+        self._behind = False
         self._last_step_at = None
         if stop:
             self.close()
@@ -406,6 +429,7 @@ class RoundExchange:
         mine[0], mine[1] = self._steps, self._samples
         mine[2] = self._step_ema if self._step_ema is not None else 0.0
         mine[3] = time.time() - self._origin
+        mine[4] = self._exchange_s
         meta[-2] = 1.0 if cut else 0.0
         meta[-1] = 1.0 if cut and self._clean else 0.0
         self.stats.local_steps.append(self._steps)
@@ -432,6 +456,11 @@ class RoundExchange:
         if self.recorder is not None and waited > 1e-4:
             self.recorder.record_wait(waited)
         self._deadline = self._next_deadline() if self.dynamic else None
+        if self._deadline is not None and self._deadline <= time.time() and not self._behind:
+            # Past the next deadline, and not behind the others (the last delivered round ended on every rank at
+            # about the same time): the grid fell behind the wall clock for everyone, waiting for the link. The
+            # next round gets its full length from now instead of ending at once with no step.
+            self._deadline = time.time() + self._lengths[max(self._lengths)]
 
     def _next_deadline(self) -> float | None:
         """The end of the round about to start (wall clock), from the last round delivered; ``None`` (a round of
@@ -485,6 +514,15 @@ class RoundExchange:
         ends = per_rank[:, 3].tolist()
         self._ends[rnd.index] = statistics.median(ends)
         times = [t for t in per_rank[:, 2].tolist() if t > 0]
+        if times and self.round_s is None:
+            self._behind = ends[self.rank] - self._ends[rnd.index] > 0.5 * self.local_steps * sum(times) / len(times)
+        elif self.round_s is not None:
+            self._behind = ends[self.rank] - self._ends[rnd.index] > 0.5 * self.round_s
+        exchange_s = float(per_rank[:, 4].max())  # the slowest rank's: a round is delivered when its exchange is
+        if times and exchange_s > 0:
+            self.stats.exchange_s.append(exchange_s)
+            # The same metadata on every rank, the same decision: the length changes at this round everywhere.
+            self.length.update(sum(times) / len(times), exchange_s)
         if self.round_s is not None:
             self._lengths[rnd.index] = self.round_s
         elif times:
@@ -508,6 +546,7 @@ class RoundExchange:
         everyone_cut = _count(meta, self.world, 0) == self.world
         if everyone_cut and _count(meta, self.world, 1) == self.world:
             return torch.zeros_like(delta), meta, nbytes  # every rank clean (cut()): nothing to exchange
+        start = time.perf_counter()
         if self.compressor is None or everyone_cut or inline:
             total = delta.clone()
             if self.compressor is not None:
@@ -519,8 +558,10 @@ class RoundExchange:
                 return total, meta, nbytes
             all_reduce_(total, self.group)
             nbytes += total.numel() * total.element_size()
+            self._exchange_s = time.perf_counter() - start
             return total / self.world, meta, nbytes
         mean, sent = self.compressor.allreduce(delta, self.group, key="round")
+        self._exchange_s = time.perf_counter() - start
         return mean, meta, nbytes + sent
 
 
