@@ -223,7 +223,9 @@ class Classifier(LightningModule):
         if not isinstance(channels, int) or channels < 1:
             raise ValueError(f"channels must be an integer >= 1, got {channels!r}; set model.channels to e.g. 32")
         if isinstance(fc_hidden, bool) or not isinstance(fc_hidden, int) or fc_hidden < 0:
-            raise ValueError(f"fc_hidden must be an integer >= 0, got {fc_hidden!r}; HINT: 0 (global pooling) or e.g. 512")
+            raise ValueError(
+                f"fc_hidden must be an integer >= 0, got {fc_hidden!r}; HINT: 0 (global pooling) or e.g. 512"
+            )
         if (fc_hidden or batch_norm) and arch != "convnet":
             raise ValueError(
                 f"fc_hidden={fc_hidden} and batch_norm={batch_norm} shape the convnet, and arch={arch!r}; HINT: "

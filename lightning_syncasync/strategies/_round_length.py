@@ -15,7 +15,9 @@ log = logging.getLogger(__name__)
 
 def round_length(local_steps: int | None, overlap: float, min_steps: int) -> RoundLength:
     """The policy for a strategy's setting: ``None`` decided from the link, an integer pinned."""
-    return RoundLength(fixed=local_steps, overlap=max(overlap, 1e-3), min_steps=min(min_steps, local_steps or min_steps))
+    return RoundLength(
+        fixed=local_steps, overlap=max(overlap, 1e-3), min_steps=min(min_steps, local_steps or min_steps)
+    )
 
 
 class RoundLengthReport:

@@ -60,7 +60,9 @@ from lightning_syncasync.algorithms._comm import all_reduce_, new_subgroups
 from lightning_syncasync.algorithms.topology import Topology
 
 
-def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = None) -> Callable[[], None]:
+def scoped_sigterm_check(
+    trainer: pl.Trainer, group: dist.ProcessGroup | None = None, signalled: threading.Event | None = None
+) -> Callable[[], None]:
     """Replace Lightning's per-step SIGTERM broadcast for this fit, and its handler's broadcast; returns what undoes
     both.
 
@@ -68,12 +70,14 @@ def scoped_sigterm_check(trainer: pl.Trainer, group: dist.ProcessGroup | None = 
         trainer: the fitting trainer.
         group: the ranks that stop together: a gloo group (the flag is a CPU tensor), every rank of it calling this.
             ``None``, or a group of one rank, checks this rank's own flag only.
+        signalled: the event the notifier sets (the caller's, to learn of a signal while blocked elsewhere).
     """
     loop = trainer.fit_loop.epoch_loop
     together = group is not None and dist.get_world_size(group) > 1
     connector = getattr(trainer, "_signal_connector", None)
     restore_handler: list[Callable[[], None]] = []
-    signalled = threading.Event()  # set by the handler's notifier; the trainer learns it here, with its group
+    if signalled is None:
+        signalled = threading.Event()  # set by the handler's notifier; the trainer learns it here, with its group
 
     def swap() -> None:
         if not restore_handler and _lightnings_notifier(connector) is not None:
@@ -146,11 +150,21 @@ class SigtermScope:
 
     def __init__(self) -> None:
         self._undo: Callable[[], None] | None = None
+        self._signalled: threading.Event | None = None
 
     def install(self, trainer: pl.Trainer, group: dist.ProcessGroup | None = None) -> None:
         """:func:`scoped_sigterm_check` over ``group`` (``None``: the rank alone)."""
         self.undo()
-        self._undo = scoped_sigterm_check(trainer, group)
+        self._signalled = threading.Event()
+        self._undo = scoped_sigterm_check(trainer, group, self._signalled)
+
+    def requested(self) -> bool:
+        """Whether this rank received SIGTERM during the fit: what a wait on the link polls, so that a signal stops a
+        rank blocked on a round (issue 64: a link-bound job ran on for minutes after SIGTERM)."""
+        return self._signalled is not None and self._signalled.is_set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_undo": None, "_signalled": None}  # an Event does not pickle (spawn); nothing is installed there
 
     def undo(self) -> None:
         """Put Lightning's check and handler back (a signal not acted on yet goes to Lightning's flag)."""

@@ -40,6 +40,9 @@ class AveragesNodes(ValidatesNodeMean):
         # One averaging step per training step: with several optimizers, after the last one has stepped.
         if self.averager is not None and (not self.optimizers or optimizer is unwrap_optimizer(self.optimizers[-1])):
             self.averager.after_step()
+            report = getattr(self, "_length_report", None)
+            if report is not None:
+                report.poll()  # the period's decisions and warning, as they are made
         return out
 
     def on_validation_start(self) -> None:

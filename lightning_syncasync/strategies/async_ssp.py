@@ -46,6 +46,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -54,7 +55,12 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_, destroy_groups, exchange_backend
 from lightning_syncasync.algorithms._flat import copy_flat_
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
-from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError, RoundExchange, check_rounds
+from lightning_syncasync.algorithms.averaging.rounds import (
+    NonFiniteRoundError,
+    RoundExchange,
+    RoundsStopped,
+    check_rounds,
+)
 from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
@@ -515,6 +521,7 @@ class AsyncSSPStrategy(
                 scope="inter" if self.num_nodes > 1 else "intra",
                 timeout_s=self.peer_timeout_s,
                 buffers=buffers,
+                should_stop=self._sigterm.requested,
             )
             if self._restored is not None:
                 self.rounds.load_state_dict(self._restored)
@@ -719,9 +726,13 @@ class AsyncSSPStrategy(
         if self.planned_steps is not None and self.lightning_module is not None:
             self.lightning_module.trainer.fit_loop.epoch_loop.max_steps = self.planned_steps  # as the user set it
             self.planned_steps = None
+        signalled = self._sigterm.requested()
         self._sigterm.undo()
         super().teardown()
-        destroy_groups(self._group, self._warm_group)
+        # After a SIGTERM the exchange thread may still sit in a dropped round's collective on the rounds' group,
+        # which a peer that stopped a step earlier never joins: destroying the group would wait for it (the process
+        # exits instead, and the group with it).
+        destroy_groups(*((self._warm_group,) if signalled else (self._group, self._warm_group)))
         self._group = self._warm_group = None
 
 
@@ -842,9 +853,13 @@ def finite_closure(
 @contextmanager
 def as_divergence(rank: int) -> Iterator[None]:
     """A round refused for a non-finite loss (on a GPU, at the round's end: ``finite_closure``) raised as
-    :class:`DivergenceError`, around ``rounds.after_step()`` and ``rounds.cut()``."""
+    :class:`DivergenceError`, around ``rounds.after_step()`` and ``rounds.cut()``; a SIGTERM that arrived while the
+    rank waited for a round (:class:`RoundsStopped`) as Lightning's ``SIGTERMException``, the rounds in flight
+    dropped."""
     try:
         yield
+    except RoundsStopped as err:
+        raise SIGTERMException() from err
     except NonFiniteRoundError as err:
         raise DivergenceError(
             f"rank {rank}: a loss or a gradient was not finite (nan or inf) in round {err.index} under async "

@@ -51,6 +51,7 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state
+from lightning_syncasync.strategies._round_length import round_length
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._watch import WatchedStrategy
@@ -100,7 +101,7 @@ class ShardedAsyncSSPStrategy(
     def __init__(
         self,
         staleness: int = 1,
-        local_steps: int = 8,
+        local_steps: int | None = None,
         outer: Outer = "average",
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
@@ -117,7 +118,7 @@ class ShardedAsyncSSPStrategy(
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_rounds(local_steps, staleness, round_s)
-        if local_steps == 1:
+        if local_steps == 1:  # None: decided from the measured link, 2 or more
             raise ValueError(
                 "local_steps=1 is async_ssp's per-step mode (every gradient exchanged), which async_ssp_sharded does "
                 "not run: a node's gradients are FSDP's shards, reduced inside the node at every step; HINT: "
@@ -181,7 +182,6 @@ class ShardedAsyncSSPStrategy(
         self.rounds = RoundExchange(
             self._local_shards(),
             self._cross_group,
-            local_steps=self.local_steps,
             staleness=self.staleness,
             round_s=self.round_s,
             dynamic=self.dynamic_local_steps,
@@ -192,6 +192,8 @@ class ShardedAsyncSSPStrategy(
             timeout_s=self.peer_timeout_s,
             buffers=[b for b in module.buffers() if b.is_floating_point()],
             node_group=self._node_group,
+            length=round_length(self.local_steps, self.staleness, min_steps=2),
+            should_stop=self._sigterm.requested,
         )
         self.rounds.start()
 

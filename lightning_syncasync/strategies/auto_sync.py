@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_, destroy_groups, exchange_backend, new_subgroups
 from lightning_syncasync.algorithms.averaging.delayed import DelayedAverager, check_settings
+from lightning_syncasync.algorithms.averaging.round_length import RoundLength
 from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression.compressor import Compressor
@@ -63,6 +64,7 @@ from lightning_syncasync.strategies._checks import check_async, check_common, ch
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
+from lightning_syncasync.strategies._round_length import RoundLengthReport, round_length
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers, drop_added_callback_states
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
@@ -103,9 +105,11 @@ class AutoSyncStrategy(
             is nothing to switch between); ``False`` keeps the mode fixed unless a callback calls
             :meth:`switch_mode`.
         node_size: ranks per node (default from the cluster); a smaller value forms virtual nodes for ``hier``.
-        inter_period, max_delay: ``hier`` mode's cross-node averaging (see ``HierSyncStrategy``).
+        inter_period, max_delay: ``hier`` mode's cross-node averaging (see ``HierSyncStrategy``; ``None``, the
+            default: decided from the measured step and exchange times).
         staleness, local_steps: ``async`` mode's bound and local steps per round (see ``AsyncSSPStrategy``: rounds by
-            default; ``local_steps=1`` exchanges gradients every step, where ``staleness=None`` is ASP).
+            default, ``None`` decided from the measured step and exchange times; ``local_steps=1`` exchanges gradients
+            every step, where ``staleness=None`` is ASP). Each mode keeps its length's measurements across switches.
         compensation, lam: the stale-gradient compensation of ``local_steps=1``.
         compression, compression_options: compression of hier's inter-node hop and of async's update exchange.
         peer_timeout_s: bound on every background collective and cut; past it the run fails naming the lost rank.
@@ -125,10 +129,10 @@ class AutoSyncStrategy(
         mode: Mode = "sync",
         switcher: bool = True,
         node_size: int | None = None,
-        inter_period: int = 4,
-        max_delay: int = 1,
+        inter_period: int | None = None,
+        max_delay: int | None = None,
         staleness: int | None = 1,
-        local_steps: int = 4,
+        local_steps: int | None = None,
         compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
         lam: float = 1.0,
         compression: str = "none",
@@ -140,7 +144,8 @@ class AutoSyncStrategy(
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}; HINT: 'sync' (the default start)")
         check_settings(inter_period, max_delay, "average", 1.0, 0.9)
         check_async(staleness, compensation, lam)
-        check_rounds(local_steps, staleness if isinstance(local_steps, int) and local_steps > 1 else 0, None)  # type: ignore[arg-type]
+        rounds = local_steps is None or (isinstance(local_steps, int) and local_steps > 1)
+        check_rounds(local_steps, staleness if rounds else 0, None)
         check_common("auto_sync registers its own comm hook", compression, compression_options, peer_timeout_s, kwargs,
                      type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
@@ -151,6 +156,8 @@ class AutoSyncStrategy(
         self.inter_period, self.max_delay = inter_period, max_delay
         self.staleness, self.compensation, self.lam = staleness, compensation, lam
         self.local_steps = local_steps
+        self._lengths: dict[str, RoundLength] = {}  # per mode, kept across switches (the link does not change)
+        self._length_reports: dict[str, RoundLengthReport] = {}
         self.compression = compression
         self.compression_options = dict(compression_options or {})
         self.peer_timeout_s = peer_timeout_s
@@ -297,6 +304,20 @@ class AutoSyncStrategy(
         log.info("auto_sync: %s -> %s at step %d", old, mode, at)
         return True
 
+    def _round_mode(self) -> bool:
+        """Whether async mode runs in rounds (``local_steps`` unset or > 1) rather than per-step exchange."""
+        return self.local_steps is None or self.local_steps > 1
+
+    def _length(self, mode: str) -> RoundLength:
+        """The round length of ``hier`` or ``async`` mode: made at the first entry, kept across switches."""
+        if mode not in self._lengths:
+            if mode == "hier":
+                self._lengths[mode] = round_length(self.inter_period, 1.0, min_steps=1)
+            else:
+                self._lengths[mode] = round_length(self.local_steps, self.staleness or 1, min_steps=2)
+            self._length_reports[mode] = RoundLengthReport(self._lengths[mode], f"auto_sync ({mode} mode)")
+        return self._lengths[mode]
+
     def _leave(self, mode: str) -> None:
         if mode == "hier" and self.averager is not None:
             self.averager.synchronize()
@@ -311,7 +332,7 @@ class AutoSyncStrategy(
         self._sigterm.undo()
         self._step_ok = None  # a step's flag never carries into the next mode
         self._broadcast_buffers()
-        if mode == "hier" or (mode == "async" and self.local_steps > 1):
+        if mode == "hier" or (mode == "async" and self._round_mode()):
             self._equal_optimizer_states()  # hier and async rounds let the moments drift apart
 
     def _enter(self, mode: str, restored: dict[str, Any] | None = None) -> None:
@@ -335,6 +356,7 @@ class AutoSyncStrategy(
                 recorder=self.sync_stats,
                 compressor=self._compressor(),
                 timeout_s=self.peer_timeout_s,
+                length=self._length("hier"),
             )
             if restored and restored.get("hier") is not None:
                 self.averager.load_state_dict(restored["hier"])
@@ -343,12 +365,12 @@ class AutoSyncStrategy(
             assert self.lightning_module is not None
             trained = [p for p in self._params if p.requires_grad]
             self._apply = server_update(optimizer, trained, self.lightning_module)
-            if self.local_steps > 1:
+            if self._round_mode():
                 assert self.staleness is not None  # checked at construction
                 self.rounds = RoundExchange(
                     trained,
                     self._groups["ssp"],
-                    local_steps=self.local_steps,
+                    length=self._length("async"),
                     staleness=self.staleness,
                     # Rounds of local_steps steps, not of wall-clock length: SyncSwitcher and AdaptiveBatchSize
                     # gather every rank's window at the same step, so a fast rank waits there for a slow one, and
@@ -362,6 +384,7 @@ class AutoSyncStrategy(
                     scope="inter" if self.topology.num_nodes > 1 else "intra",
                     timeout_s=self.peer_timeout_s,
                     buffers=self._tensors[len(self._params) :],
+                    should_stop=self._sigterm.requested,
                 )
                 if restored and restored.get("async") is not None:
                     self.rounds.load_state_dict(restored["async"])
@@ -427,6 +450,8 @@ class AutoSyncStrategy(
                 self.averager.after_step()
         if last:
             self._step += 1
+            if self.mode in self._length_reports:
+                self._length_reports[self.mode].poll()
         return out
 
     @override

@@ -36,6 +36,7 @@ from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
+from lightning_syncasync.strategies._round_length import RoundLengthReport, round_length
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import AveragesNodes
@@ -56,11 +57,14 @@ class HierSyncStrategy(
     """Hierarchical synchronisation for any LightningModule.
 
     Args:
-        inter_period: steps between two cross-node averagings (>= 1). Default 4, measured on the quick
-            ``slow_link`` benchmark (transformer LM, AdamW; README): 4 ran at 80.5% of the no-communication limit
-            and reached the target 1.60x as fast as DDP; 2 at 73.9% (1.46x); 1 (with int8) learned too little per
-            step to reach it in 40 steps.
-        max_delay: steps a cross-node average may lag before it is applied (>= 0; 0 = synchronous).
+        inter_period: steps between two cross-node averagings (>= 1). ``None`` (default): decided from what the
+            averaging measures, the shortest period whose exchange hides behind the compute of the steps until it
+            is applied, with a 1.5x margin, re-decided when the link or the step time drifts
+            (:class:`~lightning_syncasync.algorithms.averaging.RoundLength`; logged at setup and at each change, in
+            ``SyncMonitor``'s summary). An integer pins it; a pinned period the link cannot hide is warned about
+            once, with the numbers (docs/benchmarks.md#self-tuned-round-length).
+        max_delay: steps a cross-node average may lag before it is applied (>= 0; 0 = synchronous). ``None``
+            (default): the shortest delay that hides the measured exchange, at most a period (1 until measured).
         node_size: ranks per node; default from the cluster (``world_size // num_nodes``). A smaller value forms
             virtual nodes, so one machine can exercise the hierarchy (4 processes as 2 nodes of 2).
         virtual_nodes: split each node's ranks into this many virtual nodes instead of giving ``node_size``
@@ -94,8 +98,8 @@ class HierSyncStrategy(
 
     def __init__(
         self,
-        inter_period: int = 4,
-        max_delay: int = 1,
+        inter_period: int | None = None,
+        max_delay: int | None = None,
         node_size: int | None = None,
         outer: Literal["average", "nesterov", "delayed_nesterov"] = "average",
         outer_lr: float = 1.0,
@@ -135,6 +139,7 @@ class HierSyncStrategy(
         self._sigterm = SigtermScope()
         self._restored: dict[str, Any] | None = None
         self._averager_state: dict[str, Any] | None = None
+        self._length_report: RoundLengthReport | None = None
 
     @override
     def setup_distributed(self) -> None:
@@ -232,10 +237,13 @@ class HierSyncStrategy(
             compressor=Compressor(self.compression, seed=self.global_rank, **self.compression_options),  # type: ignore[arg-type]
             timeout_s=self.peer_timeout_s,
             warmup_steps=self.warmup_steps,
+            length=round_length(self.inter_period, 1.0, min_steps=1),
         )
         if self._restored is not None:
             self.averager.load_state_dict(self._restored)  # after the broadcast: the weights are the checkpoint's
             self._restored = None
+        if self.topology.num_nodes > 1:
+            self._length_report = RoundLengthReport(self.averager.length, "hier_sync")
         self._sigterm.install(trainer, self._stop_group)
 
     def _nodes_apart(self) -> bool:
@@ -256,7 +264,7 @@ class HierSyncStrategy(
         """What SyncMonitor's summary header should say about this run (a one-node run is plain DDP)."""
         topo = self.topology
         if topo is None or topo.num_nodes > 1:
-            return []
+            return [self._length_report.note()] if self._length_report is not None else []
         what = "plain Lightning at one device" if self.world_size == 1 else "plain DDP"
         return [
             f"one node: every step was {what}, nothing was averaged across nodes. HINT: on one machine with 2 or "

@@ -219,7 +219,10 @@ def test_a_refused_setting_gives_our_message_and_exit_2_in_every_form(strategy):
         run_cli("fit", *strategy)
     assert failed.value.code == 2
     message = str(failed.value)
-    assert message == "syncasync-cli: error: inter_period must be >= 1, got 0; HINT: 1 averages across nodes every step"
+    assert message == (
+        "syncasync-cli: error: inter_period must be an integer >= 1 or None, got 0; HINT: None (the default) decides "
+        "it from the measured step and exchange times, 1 averages across nodes every step"
+    )
 
 
 def test_a_registered_name_takes_settings_and_keeps_its_own():

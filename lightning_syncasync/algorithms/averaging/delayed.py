@@ -29,6 +29,7 @@ raises :class:`PeerLostError` naming the ranks on the other end.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_, wire_device
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.round_length import RoundLength
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import StatsRecorder, timing_event
 from lightning_syncasync.algorithms.watchdog import PeerLostError
@@ -51,7 +53,12 @@ __all__ = ["DelayedAverager", "PeerLostError", "check_settings"]
 
 
 def check_settings(
-    inter_period: int, max_delay: int, outer: str, outer_lr: float, outer_momentum: float, warmup_steps: int = 0
+    inter_period: int | None,
+    max_delay: int | None,
+    outer: str,
+    outer_lr: float,
+    outer_momentum: float,
+    warmup_steps: int = 0,
 ) -> None:
     """Validate the averaging settings (shared by :class:`DelayedAverager` and the strategies built on it, which
     check them at construction, before any process starts)."""
@@ -59,10 +66,18 @@ def check_settings(
         raise ValueError(
             f"warmup_steps must be an integer >= 0, got {warmup_steps!r}; HINT: 0 starts hierarchical averaging at once"
         )
-    if inter_period < 1:
-        raise ValueError(f"inter_period must be >= 1, got {inter_period}; HINT: 1 averages across nodes every step")
-    if max_delay < 0:
-        raise ValueError(f"max_delay must be >= 0, got {max_delay}; HINT: 0 is synchronous, 1 allows one step of lag")
+    if inter_period is not None and (
+        not isinstance(inter_period, int) or isinstance(inter_period, bool) or inter_period < 1
+    ):
+        raise ValueError(
+            f"inter_period must be an integer >= 1 or None, got {inter_period!r}; HINT: None (the default) decides "
+            "it from the measured step and exchange times, 1 averages across nodes every step"
+        )
+    if max_delay is not None and (not isinstance(max_delay, int) or isinstance(max_delay, bool) or max_delay < 0):
+        raise ValueError(
+            f"max_delay must be an integer >= 0 or None, got {max_delay!r}; HINT: None (the default) takes the "
+            "shortest delay that hides the measured exchange, 0 is synchronous, 1 allows one step of lag"
+        )
     check_outer(outer, outer_lr, outer_momentum)
 
 
@@ -74,6 +89,9 @@ class _Round:
     buffer: torch.Tensor | None  # uncompressed: the all-reduced (summed) shard, valid once `work` is done
     work: dist.Work | Future[torch.Tensor]  # compressed: a future of the mean of (snapshot - base)
     launched_at: float
+    due: int = 0  # the step at which it is applied (launch step + the delay decided then)
+    meta: torch.Tensor | None = None  # [step_s, exchange_s] summed over nodes (appended to the uncompressed buffer)
+    done_at: float | None = None  # when it was first seen complete (uncompressed: polled at each step)
 
 
 class DelayedAverager:
@@ -84,8 +102,13 @@ class DelayedAverager:
         cross_group: the group of this local rank's peers on the other nodes (one rank per node).
         node_group: the ranks of this node.
         local_rank, node_size, num_nodes: this rank's place in the topology.
-        inter_period: steps between two launches (>= 1).
-        max_delay: steps between a launch and the application of its result (>= 0; 0 = synchronous).
+        inter_period: steps between two launches (>= 1); ignored when ``length`` is given.
+        max_delay: steps between a launch and the application of its result (>= 0; 0 = synchronous). ``None``:
+            the shortest delay that hides the measured exchange (with the policy's margin), at most a period;
+            one step until the first measurement.
+        length: the policy that decides the period from the measured step and exchange times
+            (:class:`~lightning_syncasync.algorithms.averaging.round_length.RoundLength`); every rank decides from
+            the same numbers (carried by the rounds themselves) at the same step, so the nodes stay in step.
         outer: ``"average"`` (apply the average), ``"nesterov"`` (outer SGD with Nesterov momentum on the
             pseudo-gradient, DiLoCo) or ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the outer optimizer's settings (``outer="nesterov"``).
@@ -126,6 +149,7 @@ class DelayedAverager:
         timeout_s: float = 300.0,
         warmup_steps: int = 0,
         side_stream: bool = True,
+        length: RoundLength | None = None,
     ) -> None:
         check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum, warmup_steps)
         if timeout_s <= 0:
@@ -137,7 +161,15 @@ class DelayedAverager:
         self.tensors = list(tensors)
         self.cross_group, self.node_group = cross_group, node_group
         self.local_rank, self.node_size, self.num_nodes = local_rank, node_size, num_nodes
-        self.inter_period, self.max_delay = inter_period, max_delay
+        self.length = length if length is not None else RoundLength(fixed=inter_period)
+        self.fixed_delay = max_delay
+        self.max_delay = max_delay if max_delay is not None else min(1, self.length.steps)
+        self._next_launch = warmup_steps + self.length.steps
+        self._last_launch = warmup_steps
+        self._step_ema: float | None = None  # this rank's compute time per step (waits on rounds not counted)
+        self._last_step_at: float | None = None
+        self._waited = 0.0  # time blocked on rounds since the last step
+        self._exchange_s = 0.0  # the last completed round's exchange time, on this rank
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.recorder = recorder
         self.compressor = compressor if compressor is not None and compressor.method != "none" else None
@@ -166,19 +198,38 @@ class DelayedAverager:
 
     # -- public ----------------------------------------------------------------------------------------------
 
+    @property
+    def inter_period(self) -> int:
+        """Steps between two launches now (the policy's current length)."""
+        return self.length.steps
+
     def after_step(self) -> None:
         """Call once per optimizer step, after it: apply the rounds that are due, then maybe launch one."""
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            dt = max(now - self._last_step_at - self._waited, 1e-6)
+            self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
+        self._waited = 0.0
         self.step += 1
         if self.step <= self.warmup_steps:
             if self.step == self.warmup_steps:
                 self.anchor = self._shard()  # the nodes agree after a synchronous warm-up: the new global model
+                self._next_launch = self.step + self.length.steps
+                self._last_launch = self.step
+            self._last_step_at = time.perf_counter()
             return
-        while self.pending and self.step - self.pending[0].step >= self.max_delay:
+        for rnd in self.pending:  # when each uncompressed round was first seen complete: its exchange time
+            if rnd.done_at is None and not isinstance(rnd.work, Future) and rnd.work.is_completed():
+                rnd.done_at = now
+        while self.pending and self.step >= self.pending[0].due:
             self._apply(self.pending.popleft())
-        if self.num_nodes > 1 and (self.step - self.warmup_steps) % self.inter_period == 0:
+        if self.num_nodes > 1 and self.step >= self._next_launch:
+            self._next_launch = self.step + self.length.steps
+            self._last_launch = self.step
             self._launch()
             if self.max_delay == 0:
                 self._apply(self.pending.popleft())
+        self._last_step_at = time.perf_counter()
 
     @property
     def in_warmup(self) -> bool:
@@ -276,6 +327,10 @@ class DelayedAverager:
                 f"({'none' if self.compressor is None else self.compressor.method}); HINT: resume with the same setting"
             )
         self.anchor = self._shard()  # the restored weights are a consistent cut: the global model
+        # Launches at warm-up + k x period, as in the run that saved it (a fixed period resumes exactly).
+        period, done = self.length.steps, max(self.step - self.warmup_steps, 0)
+        self._last_launch = self.warmup_steps + done // period * period
+        self._next_launch = self._last_launch + period
 
     @property
     def momentum(self) -> torch.Tensor | None:
@@ -300,49 +355,65 @@ class DelayedAverager:
         lo = self.local_rank * self.shard_numel
         return self._flat()[lo : lo + self.shard_numel].clone()
 
+    def _meta(self) -> torch.Tensor:
+        """What this rank measured, for the policy: [seconds per compute step, the last round's exchange time]."""
+        return torch.tensor([self._step_ema or 0.0, self._exchange_s], dtype=torch.float32)
+
     def _launch(self, exact: bool = False) -> None:
         snapshot = self._shard()
         now = time.perf_counter()
+        due = self.step + self.max_delay
         if self.compressor is None or exact:
             # On the wire's device from the start (a CPU copy under gloo with a model on a GPU): the collective is
-            # asynchronous, so it cannot stage through a copy the way the blocking ones do.
-            buffer = snapshot.to(wire_device(snapshot, self.cross_group), copy=True)
+            # asynchronous, so it cannot stage through a copy the way the blocking ones do. The policy's two
+            # numbers ride at its end (summed over nodes like the shard: no collective of their own).
+            wire = wire_device(snapshot, self.cross_group)
+            buffer = torch.cat([snapshot, self._meta().to(snapshot)]).to(wire)
             if self.compressor is not None:
                 # Everything compression held back (this rank's residual and, in the two-phase layout, the server
                 # residual of the part it owns): an exact round flushes it, so a checkpoint holds nothing back.
-                residual = self.compressor.pop_residual("shard", buffer.numel(), self.cross_group)
+                residual = self.compressor.pop_residual("shard", snapshot.numel(), self.cross_group)
                 if residual is not None:
-                    buffer += residual.to(buffer.device)
+                    buffer[:-2] += residual.to(buffer.device)
             work: Any = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
             if self.recorder is not None:
                 self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
-            self.pending.append(_Round(self.step, snapshot, self.anchor, buffer, work, now))
+            self.pending.append(_Round(self.step, snapshot, self.anchor, buffer, work, now, due))
             return
         if self._thread is None:
             self._thread = CommThread("syncasync-inter-node", snapshot.device, self.side_stream)
         compressor, group, recorder, delta = self.compressor, self.cross_group, self.recorder, snapshot - self.anchor
+        meta = self._meta()
 
-        def exchange() -> torch.Tensor:
+        def exchange() -> tuple[torch.Tensor, torch.Tensor, float]:
+            all_reduce_(meta, group)  # the policy's numbers, summed over nodes (a few bytes)
+            start = time.perf_counter()
             mean, nbytes = compressor.allreduce(delta, group, key="shard")
             if recorder is not None:
-                recorder.record_blocking(nbytes, "inter", 0.0)  # measured from the payload, when it is known
-            return mean
+                recorder.record_blocking(nbytes + meta.numel() * 4, "inter", 0.0)  # measured from the payload
+            return mean, meta, time.perf_counter() - start
 
-        self.pending.append(_Round(self.step, snapshot, self.anchor, None, self._thread.submit(exchange), now))
+        work = self._thread.submit(exchange)
+        self.pending.append(_Round(self.step, snapshot, self.anchor, None, work, now, due))
 
     def _wait(self, rnd: _Round) -> torch.Tensor:
         """The average of the snapshots of ``rnd`` across nodes; a failure or timeout becomes PeerLostError."""
         try:
             if isinstance(rnd.work, Future):
                 # The group's own timeout fails the collective first; this bound is the backstop.
-                return rnd.base + rnd.work.result(timeout=self.timeout_s + 30.0)
+                mean, meta, seconds = rnd.work.result(timeout=self.timeout_s + 30.0)
+                rnd.meta, self._exchange_s = meta, seconds
+                return rnd.base + mean
             assert rnd.buffer is not None
             # Under NCCL this makes the current stream wait (the host goes on): timed on the stream, by events.
             before = timing_event(rnd.buffer.device)
             rnd.work.wait()
             if before is not None and self.recorder is not None:
                 self.recorder.record_stream_wait(before, timing_event(rnd.buffer.device))
-            return rnd.buffer.to(rnd.base.device) / self.num_nodes
+            # Seen complete at a step boundary (an upper bound, within a step), or now, after waiting for it.
+            self._exchange_s = (rnd.done_at or time.perf_counter()) - rnd.launched_at
+            rnd.meta = rnd.buffer[-2:].to("cpu", torch.float32)
+            return rnd.buffer[:-2].to(rnd.base.device) / self.num_nodes
         except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError, futures TimeoutError
             waited = time.perf_counter() - rnd.launched_at
             who = f"rank {self.peers[0]}" if len(self.peers) == 1 else f"one of ranks {self.peers}"
@@ -358,8 +429,12 @@ class DelayedAverager:
         own snapshot rounds differently on each)."""
         start = time.perf_counter()
         average = self._wait(rnd)
+        waited = time.perf_counter() - start
+        self._waited += waited
         if self.recorder is not None:
-            self.recorder.record_wait(time.perf_counter() - start)
+            self.recorder.record_wait(waited)
+        if not replace:
+            self._decide(rnd)
         if self.outer == "average":
             new_global = average  # bitwise the mean of the snapshots
         else:
@@ -372,6 +447,30 @@ class DelayedAverager:
             delta = new_global - rnd.snapshot
             add_flat_(self.tensors, self._gather(delta)[: self.numel])
         self.rounds_applied += 1
+
+    def _decide(self, rnd: _Round) -> None:
+        """The period and the delay from the round's numbers, the same on every rank: each local rank holds its
+        cross-node group's sums, and a gather inside the node gives every rank of every node all of them."""
+        if rnd.meta is None:
+            return
+        meta = rnd.meta / self.num_nodes  # [mean step_s over nodes, mean exchange_s over nodes]
+        if self.node_size > 1:
+            every = torch.empty(self.node_size * 2, dtype=torch.float32)
+            with self.recorder.timed(every.device, every.numel() * 4, "intra") if self.recorder else nullcontext():
+                all_gather_flat(every, meta.contiguous(), self.node_group)
+            meta = every.view(self.node_size, 2)
+        else:
+            meta = meta.view(1, 2)
+        step_s, exchange_s = float(meta[:, 0].mean()), float(meta[:, 1].max())
+        if step_s <= 0 or exchange_s <= 0:
+            return  # a rank had nothing measured yet: every rank sees the same zero and skips alike
+        self.length.update(step_s, exchange_s)
+        if self.fixed_delay is None:
+            # The shortest delay that hides the exchange, with the policy's margin; at most a period (then the
+            # round is applied as the next one launches: one round of staleness, as async_ssp's default).
+            hide = math.ceil(self.length.margin * exchange_s / step_s - 1e-9)
+            self.max_delay = max(1, min(hide, self.length.steps))
+        self._next_launch = self._last_launch + self.length.steps  # the same step on every rank (may be now)
 
     def _gather(self, delta: torch.Tensor, record: bool = True) -> torch.Tensor:
         if self.node_size == 1:

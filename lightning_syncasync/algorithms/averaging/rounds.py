@@ -76,7 +76,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -104,7 +104,9 @@ _FIELDS = 5
 def check_rounds(local_steps: int | None, staleness: int | None, round_s: float | None) -> None:
     """Validate round settings (the strategy checks them at construction, before any process starts).
     ``local_steps=None`` is a length decided from the measured link (:class:`RoundLength`)."""
-    if local_steps is not None and (not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1):
+    if local_steps is not None and (
+        not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1
+    ):
         raise ValueError(
             f"local_steps must be an integer >= 1 or None, got {local_steps!r}; HINT: None (the default) decides the "
             "round length from the measured step and exchange times, 1 exchanges a gradient every step (per-step async)"
@@ -165,6 +167,9 @@ class RoundExchange:
             rank is a learner of its own and ``group`` spans every rank.
         side_stream: on CUDA, run the exchange on a stream of its own (``algorithms/streams.py``); ``False`` gives
             the same results without the overlap.
+        should_stop: polled while the loop waits for a round (a SIGTERM's flag): when it says so the wait ends with
+            :class:`RoundsStopped`, and the rounds in flight are dropped (the process is about to exit; the last
+            consistent cut, and any checkpoint taken there, is what survives).
 
     Example::
 
@@ -193,6 +198,7 @@ class RoundExchange:
         node_group: dist.ProcessGroup | None = None,
         side_stream: bool = True,
         length: RoundLength | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         check_rounds(local_steps if length is None else length.steps, staleness, round_s)
         if timeout_s <= 0:
@@ -207,6 +213,7 @@ class RoundExchange:
             )
         self.node_group = node_group
         self.side_stream = side_stream
+        self.should_stop = should_stop
         self.tensors = list(params)
         self.buffers = list(buffers)
         self.group = group
@@ -477,8 +484,20 @@ class RoundExchange:
     def _apply(self, rnd: _Round) -> torch.Tensor:
         """Deliver one round to this replica: the outer step replaces this rank's own contribution."""
         try:
-            # The group's own timeout fails the collective first; this bound is the backstop.
-            grad, meta, nbytes = rnd.future.result(timeout=self.timeout_s + 30.0)
+            # The group's own timeout fails the collective first; this bound is the backstop. Waited in slices when
+            # a stop can be requested meanwhile (a link-bound round can take long).
+            deadline = time.perf_counter() + self.timeout_s + 30.0
+            while True:
+                try:
+                    left = deadline - time.perf_counter()
+                    slice_s = min(0.2, max(left, 0.0)) if self.should_stop is not None else max(left, 0.0)
+                    grad, meta, nbytes = rnd.future.result(timeout=slice_s)
+                    break
+                except FutureTimeout:
+                    if self.should_stop is not None and self.should_stop():
+                        raise RoundsStopped(rnd.index) from None
+                    if time.perf_counter() >= deadline:
+                        raise
         except (FutureTimeout, RuntimeError) as err:
             waited = time.perf_counter() - rnd.launched_at
             who = f"rank {self.peers[0]}" if len(self.peers) == 1 else f"one of ranks {self.peers}"
@@ -563,6 +582,15 @@ class RoundExchange:
         mean, sent = self.compressor.allreduce(delta, self.group, key="round")
         self._exchange_s = time.perf_counter() - start
         return mean, meta, nbytes + sent
+
+
+class RoundsStopped(Exception):  # noqa: N818 - a request, not an error
+    """A stop was requested (``should_stop``) while the loop waited for round ``index``: the rounds in flight are
+    dropped; the caller ends the fit (a SIGTERM)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"stop requested while waiting for round {index}; the rounds in flight are dropped")
+        self.index = index
 
 
 class NonFiniteRoundError(FloatingPointError):

@@ -49,8 +49,9 @@ def test_synchronous_average_is_the_mean_of_node_updates():
         # Each step the mean update is 1.5, applied to every rank.
         torch.testing.assert_close(r["final"][0], torch.full((7,), -4.5))
         torch.testing.assert_close(r["final"][1], torch.full((2, 2), 1 - 4.5))
-        # One shard of the padded 12-element model crosses nodes; the whole model is gathered in the node.
-        assert r["stats"].bytes_inter == 6 * 4 and r["stats"].bytes_intra == 12 * 4
+        # One shard of the padded 12-element model crosses nodes, with the round-length policy's 2 numbers; the
+        # whole model is gathered in the node, and the 2 numbers of each of its 2 ranks.
+        assert r["stats"].bytes_inter == (6 + 2) * 4 and r["stats"].bytes_intra == (12 + 2 * 2) * 4
         assert r["applied"] == 3
 
 
@@ -184,10 +185,12 @@ def test_compressed_rounds_lose_nothing_at_a_consistent_cut(method):
     for r in res:
         torch.testing.assert_close(r["final"], want, atol=1e-4, rtol=1e-4)
         assert r["residuals"] == {}
-    # Each rank sends its 250-element shard compressed every step, then once uncompressed at the cut.
+    # Each rank sends its 250-element shard compressed every step, then once uncompressed at the cut; every round
+    # also carries the round-length policy's 2 fp32 numbers.
     limit = {"int8": 0.26, "sign": 0.04}[method]
     for r in res:
-        assert steps * 250 * 4 * limit * 0.5 < r["inter"] - 250 * 4 <= steps * 250 * 4 * limit
+        payload = r["inter"] - (250 + 2) * 4 - steps * 2 * 4
+        assert steps * 250 * 4 * limit * 0.5 < payload <= steps * 250 * 4 * limit
 
 
 def _hung_peer(rank: int, world: int, timeout_s: float, flag: str) -> dict:
