@@ -214,7 +214,7 @@ _WIDE = (
     "model.schedule=cosine",
     "trainer.check_val_every_n_epoch=1",
 )
-_WIDE_STEPS, _WIDE_QUICK_STEPS = 300, 120  # 9.6 and 3.8 epochs of 31 steps at 4 ranks
+_WIDE_STEPS, _WIDE_QUICK_STEPS = 200, 80  # 6.4 and 2.6 epochs of 31 steps at 4 ranks
 _WIDE_TARGET, _WIDE_QUICK_TARGET = 0.95, 0.90
 _LINK_BOUND = dict(
     nodes=2, procs_per_node=2, overrides=_WIDE, steps=_WIDE_STEPS, quick_steps=_WIDE_QUICK_STEPS,
