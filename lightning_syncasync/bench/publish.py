@@ -18,6 +18,8 @@ rewrites (and nothing else)::
     <!-- bench:end -->                                   of seeds (:mod:`~lightning_syncasync.bench.pooled`)
     <!-- bench:against a.json:auto_sync,b.json:auto_sync_async -->   each named contender against the soonest
     <!-- bench:end -->                                   fixed contender of its own file (issue 48's auto_sync target)
+    <!-- bench:sweep a.json,b.json async_ssp:async_ssp_k -->   a self-tuned contender against the fixed settings
+    <!-- bench:end -->                                   of its file named PREFIX<N> (issue 64's round-length sweep)
 
 A results file is a ``syncasync-bench`` folder's ``results.json`` copied into ``--from`` (any ``*.json`` there, or
 ``<name>/results.json``, holding a list of bench records); re-running one scenario into it and regenerating
@@ -49,7 +51,8 @@ from lightning_syncasync.bench.report import (
 from lightning_syncasync.bench.scenarios import lookup
 
 _BLOCK = re.compile(
-    r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled|against) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)", re.S
+    r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled|against|sweep) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)",
+    re.S,
 )
 HEADLINE_FIGURE = "headline.png"
 
@@ -369,6 +372,62 @@ def against_block(arg: str, results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sweep_block(args: list[str], results: dict[str, list[dict[str, Any]]]) -> str:
+    """``bench:sweep FILES TUNED:PREFIX``: per file and scenario, the self-tuned contender ``TUNED`` beside every
+    contender named ``PREFIX<N>`` (a fixed setting N), ranked as the headline ranks (the reference's rule target,
+    misses censored at the budget, seeds paired): each one's median time to target, the best fixed setting, the best
+    fixed's time over the self-tuned's with its 90% interval, and the reference's (DDP's) time over the self-tuned's.
+    Issue 64's targets: the self-tuned median within 10% of the best fixed's, and not behind DDP by the interval
+    (the upper end of DDP's time over its own >= 1)."""
+    if len(args) != 2 or ":" not in args[1]:
+        raise ValueError(f"bench:sweep takes FILES TUNED:PREFIX, got {' '.join(args)!r}; HINT: e.g. "
+                         "'link_bound_5seeds.json async_ssp:async_ssp_k'")  # fmt: skip
+    tuned, prefix = args[1].split(":", 1)
+    lines: list[str] = []
+    for name in (f for f in args[0].split(",") if f):
+        if name not in results:
+            raise ValueError(f"bench:sweep names {name!r}, not a results file; HINT: choose from {sorted(results)}")
+        records = [r for r in results[name] if not r.get("quick")]
+        for scenario in dict.fromkeys(r["scenario"] for r in records):
+            by = side_by_side([r for r in records if r["scenario"] == scenario])
+            fixed = sorted((k for k in by if k.startswith(prefix) and k[len(prefix) :].isdigit()),
+                           key=lambda k: int(k[len(prefix) :]))  # fmt: skip
+            if tuned not in by or not fixed:
+                raise ValueError(f"bench:sweep: {name} has no {tuned!r} or no {prefix}<N> runs of {scenario}; "
+                                 f"HINT: it has {sorted(by)}")  # fmt: skip
+            ranking = Ranking.of(scenario, by)
+            standing = {s.strategy: s for s in ranking.standings}
+            if not lines:
+                lines += [
+                    "| scenario | target | "
+                    + " | ".join(f"{k[len(prefix) :]} steps" for k in fixed)
+                    + f" | `{tuned}` (self-tuned) | best fixed | its time over the self-tuned's (90% CI) "
+                    f"| self-tuned within 10% of the best fixed | {ranking.reference}'s time over the self-tuned's "
+                    "(90% CI) | records |",
+                    "|---|---|" + "---|" * len(fixed) + "---|---|---|---|---|---|",
+                ]
+            mine = standing.get(tuned)
+            cells = [f"{standing[k].median:.1f} ({standing[k].reached}/{standing[k].seeds})" if k in standing
+                     else "n/a" for k in fixed]  # fmt: skip
+            present = [standing[k] for k in fixed if k in standing]
+            if mine is None or not present or ranking.target is None:
+                lines.append(f"| `{scenario}` | n/a | " + " | ".join(cells) + f" | n/a | n/a | {ranking.verdict} | n/a "
+                             f"| n/a | `{name}` |")  # fmt: skip
+                continue
+            best = min(present, key=lambda st: st.median)
+            ratio = bootstrap_ratio(best.times, mine.times)
+            ref = standing.get(ranking.reference)
+            vs_ref = bootstrap_ratio(ref.times, mine.times) if ref is not None else None
+            within = "yes" if mine.median <= 1.1 * best.median else "no"
+            lines.append(
+                f"| `{scenario}` | {ranking.target:g} | "
+                + " | ".join(cells)
+                + f" | {mine.median:.1f} ({mine.reached}/{mine.seeds}) | {best.strategy[len(prefix) :]} steps "
+                f"| {ratio or 'n/a'} | {within} | {vs_ref or 'n/a'} | `{name}` |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def render(
     text: str, results: dict[str, list[dict[str, Any]]], source: Path | None = None, scripts: Path | None = None
 ) -> str:
@@ -383,6 +442,8 @@ def render(
             body = pooled_block(kind.split()[1:], results)
         elif kind.startswith("against "):
             body = against_block(kind.split(" ", 1)[1], results)
+        elif kind.startswith("sweep "):
+            body = sweep_block(kind.split()[1:], results)
         elif kind.startswith("advice "):
             if source is None:
                 raise ValueError(f"{kind}: needs the results folder")

@@ -145,6 +145,25 @@ def test_an_adaptive_contender_is_set_against_the_best_fixed_contender_of_its_ow
             against_block(bad, {"a.json": records})
 
 
+def test_a_self_tuned_contender_is_set_against_every_fixed_setting_of_its_sweep():
+    from lightning_syncasync.bench.publish import sweep_block
+
+    records = [_rec("ddp", s, 4.0 + 0.1 * s, 0.67) for s in range(5)]
+    records += [_rec("async_ssp_k4", s, 2.0, 0.9) for s in range(5)]  # 0.965 at epoch 5: 10 s
+    records += [_rec("async_ssp_k16", s, 3.0, 0.9) for s in range(5)]  # 15 s
+    records += [_rec("async_ssp", s, t, 0.9) for s, t in enumerate([2.1, 2.1, 2.2, 2.0, 2.1])]  # 10.5 s median
+    block = sweep_block(["a.json", "async_ssp:async_ssp_k"], {"a.json": records})
+    head, _, row = block.splitlines()
+    assert "| 4 steps | 16 steps | `async_ssp` (self-tuned) |" in head  # fixed settings in numeric order
+    assert "| 10.0 (5/5) | 15.0 (5/5) | 10.5 (5/5) | 4 steps | 0.95x [" in row and "| yes |" in row
+    assert row.endswith("| `a.json` |")
+    slow = [r for r in records if r["strategy"] != "async_ssp"] + [_rec("async_ssp", s, 3.0, 0.9) for s in range(5)]
+    assert "| no |" in sweep_block(["a.json", "async_ssp:async_ssp_k"], {"a.json": slow}).splitlines()[2]
+    for bad in (["a.json"], ["b.json", "async_ssp:async_ssp_k"], ["a.json", "hier_sync:hier_sync_p"]):
+        with pytest.raises(ValueError, match="HINT"):
+            sweep_block(bad, {"a.json": records})
+
+
 def test_a_marker_naming_a_missing_results_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="HINT"):
         render("<!-- bench:table nope.json -->\n<!-- bench:end -->\n", {})
