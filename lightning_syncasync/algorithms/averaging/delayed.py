@@ -378,7 +378,14 @@ class DelayedAverager:
             work: Any = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.cross_group, async_op=True)
             if self.recorder is not None:
                 self.recorder.record_blocking(buffer.numel() * buffer.element_size(), "inter", 0.0)
-            self.pending.append(_Round(self.step, snapshot, self.anchor, buffer, work, now, due))
+            rnd = _Round(self.step, snapshot, self.anchor, buffer, work, now, due)
+            try:
+                # The exchange's own end, for the policy: a callback when the collective completes (a poll at step
+                # boundaries would round every exchange up to a step, and ask for rounds twice as long on a fast link).
+                work.get_future().add_done_callback(lambda _: setattr(rnd, "done_at", time.perf_counter()))
+            except (RuntimeError, AttributeError):  # a backend without futures: polled in after_step instead
+                pass
+            self.pending.append(rnd)
             return
         if self._thread is None:
             self._thread = CommThread("syncasync-inter-node", snapshot.device, self.side_stream)
