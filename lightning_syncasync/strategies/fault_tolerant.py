@@ -84,7 +84,8 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
 
     Args:
         local_steps: steps per round (``dynamic_local_steps``: at the nodes' mean speed). Default 4 (hier_sync's
-            ``inter_period``); ``async_ssp_ft`` uses 8 (async_ssp's).
+            former fixed ``inter_period``); ``async_ssp_ft`` uses 8. Fixed: the fault-tolerant forms do not yet take
+            their length from the measured link as ``hier_sync`` and ``async_ssp`` do (``RoundLength``).
         staleness: ``1`` (default) overlaps each round's exchange with the next round's local steps; ``0`` exchanges
             at the round's end and every node then holds the same model.
         dynamic_local_steps: rounds of wall-clock length, so each node's local steps follow its speed (the
