@@ -223,3 +223,47 @@ def test_a_hung_peer_ends_the_round_with_an_error_naming_it(tmp_path):
     err = res[0]["error"]
     assert err is not None and "lost peer rank 1" in err and "timeout_s=3" in err, err
     assert timeout_s - 0.5 <= res[0]["after_s"] <= timeout_s + 5
+
+
+def _self_tuned(rank: int, world: int, numel: int, step_s: float, steps: int) -> dict:
+    """A self-tuned period (``RoundLength``) on 2 virtual nodes of 2: every rank must decide the same period and
+    delay at the same steps, from numbers that ride on the rounds, and nothing may be lost or counted twice."""
+    import time
+
+    from lightning_syncasync.algorithms.averaging.round_length import RoundLength
+
+    topo = Topology(world, 2)
+    node_group, cross_group = _groups(rank, topo)
+    node = topo.node_of(rank)
+    w = [torch.zeros(numel)]
+    avg = DelayedAverager(w, cross_group, node_group, topo.local_rank_of(rank), 2, 2, inter_period=None,
+                          max_delay=None, length=RoundLength(min_steps=1))  # fmt: skip
+    launches, delays = [], []
+    for _ in range(steps):
+        with torch.no_grad():
+            w[0].sub_(float(node + 1))
+        time.sleep(step_s)
+        before = len(avg.pending)
+        avg.after_step()
+        if len(avg.pending) > before or (avg.max_delay == 0 and avg.rounds_applied):
+            launches.append(avg.step)
+        delays.append(avg.max_delay)
+    avg.synchronize()
+    avg.close()
+    return {"launches": launches, "delays": delays, "periods": [d.steps for d in avg.length.decisions],
+            "w": float(w[0][0]), "exchange_s": avg.length.exchange_s}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_self_tuned_period_is_decided_alike_on_every_rank_from_numbers_riding_on_the_rounds():
+    # 4M floats (16 MB) per all-reduce on loopback against 5 ms steps: an exchange of several steps, so the period
+    # must grow from its start of 4, and the delay with it.
+    steps = 60
+    res = run_distributed(_self_tuned, 4, 4_000_000, 0.005, steps)
+    for r in res[1:]:
+        assert (r["launches"], r["delays"], r["periods"]) == (res[0]["launches"], res[0]["delays"], res[0]["periods"])
+    assert res[0]["periods"] and res[0]["periods"][-1] > 4, res[0]
+    assert max(res[0]["delays"]) > 1
+    # Every step of both nodes counted once: node 0 moved 1 a step, node 1 2; the synchronized model is the mean.
+    for r in res:
+        assert r["w"] == pytest.approx(-1.5 * steps)
