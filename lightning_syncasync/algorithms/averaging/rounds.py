@@ -37,8 +37,12 @@ and re-decided every round. A rank ends a round at the first step boundary past 
 more local steps and a slow one fewer, and they reach the round's exchange together: a persistent straggler no
 longer paces the others, it contributes fewer samples. A transient pause shorter than ``staleness`` rounds only
 delays the delivery of that rank's round, which nobody needs until ``staleness`` rounds later. A rank that is past
-the next deadline already (it was paused) ends that round with no new step, so the ranks stay on the same round
-grid. Deadlines are ``median end time of round q + (r - q) T`` with ``q`` the last round delivered when round ``r``
+the next deadline already and behind the others (it ended the last delivered round over half a round after their
+median: it was paused) ends that round with no new step, so the ranks stay on the same round grid; a rank that is
+late with everyone (they all waited for a slow link) gets the next round's full length from now instead: ending
+rounds with no step there sent a whole exchange of nothing each time, back to back (issue 64's storm). The length
+itself, ``local_steps``, is :class:`RoundLength`'s: fixed, or decided from the step and exchange times every rank
+reports in the round metadata. Deadlines are ``median end time of round q + (r - q) T`` with ``q`` the last round delivered when round ``r``
 starts (at least ``r - 1 - staleness``), on the wall clock, so rounds do not drift. The first
 ``staleness + 1`` rounds, before any measurement is delivered, are ``local_steps`` steps long on every rank.
 ``dynamic=False`` keeps every round ``local_steps`` steps long and applies round ``r`` exactly at the end of round
