@@ -42,8 +42,8 @@ median: it was paused) ends that round with no new step, so the ranks stay on th
 late with everyone (they all waited for a slow link) gets the next round's full length from now instead: ending
 rounds with no step there sent a whole exchange of nothing each time, back to back (issue 64's storm). The length
 itself, ``local_steps``, is :class:`RoundLength`'s: fixed, or decided from the step and exchange times every rank
-reports in the round metadata. Deadlines are ``median end time of round q + (r - q) T`` with ``q`` the last round delivered when round ``r``
-starts (at least ``r - 1 - staleness``), on the wall clock, so rounds do not drift. The first
+reports in the round metadata. Deadlines are ``median end time of round q + (r - q) T`` with ``q`` the last round
+delivered when round ``r`` starts (at least ``r - 1 - staleness``), on the wall clock, so rounds do not drift. The first
 ``staleness + 1`` rounds, before any measurement is delivered, are ``local_steps`` steps long on every rank.
 ``dynamic=False`` keeps every round ``local_steps`` steps long and applies round ``r`` exactly at the end of round
 ``r + staleness``: a deterministic trajectory (exact resume, tests).
