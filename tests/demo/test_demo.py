@@ -356,3 +356,17 @@ def test_transformer_lm_builds_onebit_adam_from_its_settings() -> None:
     # Decay on matrices and embeddings only, as with AdamW.
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert isinstance(TransformerLM(d_model=32, n_layers=1, n_heads=2).configure_optimizers(), torch.optim.AdamW)
+
+
+def test_the_link_bound_convnet_has_a_wide_fc_layer_and_batch_norm():
+    from lightning_syncasync.demo.classifier import Classifier
+
+    # link_bound's model: 3.3 MB of fp32 parameters, most of them in the 1568 -> 512 layer.
+    m = Classifier(input_shape=[1, 28, 28], arch="convnet", depth=2, channels=32, fc_hidden=512, batch_norm=True)
+    assert sum(p.numel() for p in m.parameters()) == 818_154
+    assert sum(isinstance(x, torch.nn.BatchNorm2d) for x in m.net) == 2
+    assert m(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    with pytest.raises(ValueError, match="HINT: model.arch=convnet"):
+        Classifier(arch="mlp", fc_hidden=512)
+    with pytest.raises(ValueError, match="fc_hidden must be an integer >= 0"):
+        Classifier(arch="convnet", input_shape=[1, 8, 8], fc_hidden=-1)
