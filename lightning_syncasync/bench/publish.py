@@ -378,53 +378,57 @@ def sweep_block(args: list[str], results: dict[str, list[dict[str, Any]]]) -> st
     misses censored at the budget, seeds paired): each one's median time to target, the best fixed setting, the best
     fixed's time over the self-tuned's with its 90% interval, and the reference's (DDP's) time over the self-tuned's.
     Issue 64's targets: the self-tuned median within 10% of the best fixed's, and not behind DDP by the interval
-    (the upper end of DDP's time over its own >= 1)."""
+    (the upper end of DDP's time over its own >= 1). A setting a file did not run reads n/a."""
     if len(args) != 2 or ":" not in args[1]:
         raise ValueError(f"bench:sweep takes FILES TUNED:PREFIX, got {' '.join(args)!r}; HINT: e.g. "
                          "'link_bound_5seeds.json async_ssp:async_ssp_k'")  # fmt: skip
     tuned, prefix = args[1].split(":", 1)
-    lines: list[str] = []
+
+    def setting(name: str) -> int | None:
+        rest = name[len(prefix) :]
+        return int(rest) if name.startswith(prefix) and rest.isdigit() else None
+
+    rankings: list[tuple[str, str, Ranking]] = []
     for name in (f for f in args[0].split(",") if f):
         if name not in results:
             raise ValueError(f"bench:sweep names {name!r}, not a results file; HINT: choose from {sorted(results)}")
         records = [r for r in results[name] if not r.get("quick")]
         for scenario in dict.fromkeys(r["scenario"] for r in records):
             by = side_by_side([r for r in records if r["scenario"] == scenario])
-            fixed = sorted((k for k in by if k.startswith(prefix) and k[len(prefix) :].isdigit()),
-                           key=lambda k: int(k[len(prefix) :]))  # fmt: skip
-            if tuned not in by or not fixed:
+            if tuned not in by or not any(setting(k) is not None for k in by):
                 raise ValueError(f"bench:sweep: {name} has no {tuned!r} or no {prefix}<N> runs of {scenario}; "
                                  f"HINT: it has {sorted(by)}")  # fmt: skip
-            ranking = Ranking.of(scenario, by)
-            standing = {s.strategy: s for s in ranking.standings}
-            if not lines:
-                lines += [
-                    "| scenario | target | "
-                    + " | ".join(f"{k[len(prefix) :]} steps" for k in fixed)
-                    + f" | `{tuned}` (self-tuned) | best fixed | its time over the self-tuned's (90% CI) "
-                    f"| self-tuned within 10% of the best fixed | {ranking.reference}'s time over the self-tuned's "
-                    "(90% CI) | records |",
-                    "|---|---|" + "---|" * len(fixed) + "---|---|---|---|---|---|",
-                ]
-            mine = standing.get(tuned)
-            cells = [f"{standing[k].median:.1f} ({standing[k].reached}/{standing[k].seeds})" if k in standing
-                     else "n/a" for k in fixed]  # fmt: skip
-            present = [standing[k] for k in fixed if k in standing]
-            if mine is None or not present or ranking.target is None:
-                lines.append(f"| `{scenario}` | n/a | " + " | ".join(cells) + f" | n/a | n/a | {ranking.verdict} | n/a "
-                             f"| n/a | `{name}` |")  # fmt: skip
-                continue
-            best = min(present, key=lambda st: st.median)
-            ratio = bootstrap_ratio(best.times, mine.times)
-            ref = standing.get(ranking.reference)
-            vs_ref = bootstrap_ratio(ref.times, mine.times) if ref is not None else None
-            within = "yes" if mine.median <= 1.1 * best.median else "no"
-            lines.append(
-                f"| `{scenario}` | {ranking.target:g} | "
-                + " | ".join(cells)
-                + f" | {mine.median:.1f} ({mine.reached}/{mine.seeds}) | {best.strategy[len(prefix) :]} steps "
-                f"| {ratio or 'n/a'} | {within} | {vs_ref or 'n/a'} | `{name}` |"
-            )
+            rankings.append((name, scenario, Ranking.of(scenario, by)))
+    fixed = sorted({n for _, _, rk in rankings for s in rk.standings if (n := setting(s.strategy)) is not None})
+    reference = rankings[0][2].reference if rankings else "ddp"
+    lines = [
+        "| scenario | target | " + " | ".join(f"{n} steps" for n in fixed)
+        + f" | `{tuned}` (self-tuned) | best fixed | its time over the self-tuned's (90% CI) "
+        f"| self-tuned within 10% of the best fixed | {reference}'s time over the self-tuned's (90% CI) | records |",
+        "|---|---|" + "---|" * len(fixed) + "---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for name, scenario, ranking in rankings:
+        standing = {s.strategy: s for s in ranking.standings}
+        cells = [
+            f"{st.median:.1f} ({st.reached}/{st.seeds})" if (st := standing.get(f"{prefix}{n}")) else "n/a"
+            for n in fixed
+        ]
+        present = [s for s in ranking.standings if setting(s.strategy) is not None]
+        mine = standing.get(tuned)
+        if mine is None or not present or ranking.target is None:
+            lines.append(f"| `{scenario}` | n/a | " + " | ".join(cells) + f" | n/a | n/a | {ranking.verdict} | n/a "
+                         f"| n/a | `{name}` |")  # fmt: skip
+            continue
+        best = min(present, key=lambda st: st.median)
+        ratio = bootstrap_ratio(best.times, mine.times)
+        ref = standing.get(ranking.reference)
+        vs_ref = bootstrap_ratio(ref.times, mine.times) if ref is not None else None
+        within = "yes" if mine.median <= 1.1 * best.median else "no"
+        lines.append(
+            f"| `{scenario}` | {ranking.target:g} | " + " | ".join(cells)
+            + f" | {mine.median:.1f} ({mine.reached}/{mine.seeds}) | {setting(best.strategy)} steps "
+            f"| {ratio or 'n/a'} | {within} | {vs_ref or 'n/a'} | `{name}` |"
+        )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
