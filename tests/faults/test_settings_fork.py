@@ -42,7 +42,8 @@ class PerRankHier(_PerRank, HierSyncStrategy):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cls", [PerRankSSP, PerRankHier], ids=["async_ssp-staleness", "hier_sync-inter_period"])
 def test_a_setting_that_differs_across_ranks_fails_setup_on_every_rank(tmp_path, cls):
-    strategy = cls(start_method="fork", **({"node_size": 1} if cls is PerRankHier else {}))
+    # hier_sync with a pinned period (the default, None, is decided from the link the same on every rank).
+    strategy = cls(start_method="fork", **({"node_size": 1, "inter_period": 4} if cls is PerRankHier else {}))
     strategy.out = str(tmp_path)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip

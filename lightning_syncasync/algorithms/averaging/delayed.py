@@ -357,7 +357,7 @@ class DelayedAverager:
 
     def _meta(self) -> torch.Tensor:
         """What this rank measured, for the policy: [seconds per compute step, the last round's exchange time]."""
-        return torch.tensor([self._step_ema or 0.0, self._exchange_s], dtype=torch.float32)
+        return torch.tensor([self._step_ema or 0.0, self._exchange_s], dtype=torch.float32, device="cpu")
 
     def _launch(self, exact: bool = False) -> None:
         snapshot = self._shard()
@@ -462,7 +462,7 @@ class DelayedAverager:
             return
         meta = rnd.meta / self.num_nodes  # [mean step_s over nodes, mean exchange_s over nodes]
         if self.node_size > 1:
-            every = torch.empty(self.node_size * 2, dtype=torch.float32)
+            every = torch.empty(self.node_size * 2, dtype=torch.float32, device="cpu")
             with self.recorder.timed(every.device, every.numel() * 4, "intra") if self.recorder else nullcontext():
                 all_gather_flat(every, meta.contiguous(), self.node_group)
             meta = every.view(self.node_size, 2)

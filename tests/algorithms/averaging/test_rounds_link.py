@@ -89,6 +89,7 @@ def test_a_link_bound_pinned_round_length_sends_no_more_than_its_rounds_need(tmp
 
 @needs_root
 @pytest.mark.netns
+@pytest.mark.slow  # 13 s; the rule itself is tested by hand in test_round_length.py
 @pytest.mark.timeout(180)
 def test_the_self_tuned_round_length_hides_the_exchange_behind_the_next_round(tmp_path):
     res = _run(tmp_path, None)

@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
-from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError, RoundExchange, check_rounds
+from lightning_syncasync.algorithms.averaging.rounds import (
+    NonFiniteRoundError,
+    RoundExchange,
+    RoundsStopped,
+    check_rounds,
+)
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 from lightning_syncasync.testing import run_distributed
@@ -210,6 +215,41 @@ def test_a_killed_rank_stops_the_others_with_its_name():
     err = res[0]["error"]
     assert err is not None and "rank 1" in err and "timeout_s=4" in err, err
     assert res[0]["after_s"] < 45
+
+
+def _stopped(rank: int, world: int) -> dict:
+    """Rank 1 stops stepping (it was signalled at a step boundary, as SIGTERM's per-rank check stops it) and never
+    launches its next round; rank 0, signalled a second later while it waits at the bound for that round, must stop
+    waiting at once, not at the 30 s peer timeout."""
+    import threading
+
+    w = [torch.zeros(3)]
+    flag = threading.Event()
+    ex = RoundExchange(w, dist.new_group(timeout=timedelta(seconds=30)), local_steps=2, staleness=0, dynamic=False,
+                       timeout_s=30, should_stop=flag.is_set)  # fmt: skip
+    ex.start()
+    for _ in range(4):
+        w[0].sub_(1.0)
+        ex.after_step()
+    if rank == 1:
+        time.sleep(5)  # "exiting": never joins round 2
+        return {"stopped": None}
+    threading.Timer(1.0, flag.set).start()
+    start = time.perf_counter()
+    try:
+        for _ in range(2):
+            w[0].sub_(1.0)
+            ex.after_step()
+    except RoundsStopped as err:
+        return {"stopped": time.perf_counter() - start, "index": err.index}
+    return {"stopped": None}
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_requested_while_waiting_for_a_round_ends_the_wait_at_once():
+    res = run_distributed(_stopped, 2, timeout_s=30)
+    assert res[0]["stopped"] is not None and 0.9 <= res[0]["stopped"] < 3.0, res[0]
+    assert res[0]["index"] == 2
 
 
 @pytest.mark.parametrize(
