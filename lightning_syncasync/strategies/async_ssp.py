@@ -276,10 +276,10 @@ class AsyncSSPStrategy(
             ``None`` (default): decided from what the rounds measure, the shortest round (2 or more) whose exchange
             hides behind the next ``staleness`` rounds' compute with a 1.5x margin, re-decided when the link or the
             step time drifts (:class:`~lightning_syncasync.algorithms.averaging.RoundLength`; logged at setup and at
-            each change, shown in ``SyncMonitor``'s summary). Shorter rounds learn more per sample (rounds of 4
-            needed 0.88x [0.79-0.97] the samples of rounds of 8 on the MNIST scenarios), so the rule takes the
-            shortest the link allows. An integer pins the length (exact, repeatable rounds); a pinned length the
-            link cannot hide is warned about once, with the numbers (docs/benchmarks.md#self-tuned-round-length).
+            each change, shown in ``SyncMonitor``'s summary). On the 3.3 MB ``link_bound`` job it reached the target
+            6.06x [4.06-6.27] sooner than DDP at 100 Mbit/s and 1.38x [1.14-1.40] at 1 Gbit/s (rounds pinned at 16
+            were sooner still there: docs/benchmarks.md#self-tuned-round-length-issue-64). An integer pins the length
+            (exact, repeatable rounds); a pinned length the link cannot hide is warned about once, with the numbers.
         outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
             (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
         outer_lr, outer_momentum: the Nesterov variants' settings.

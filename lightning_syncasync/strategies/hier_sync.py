@@ -62,7 +62,7 @@ class HierSyncStrategy(
             is applied, with a 1.5x margin, re-decided when the link or the step time drifts
             (:class:`~lightning_syncasync.algorithms.averaging.RoundLength`; logged at setup and at each change, in
             ``SyncMonitor``'s summary). An integer pins it; a pinned period the link cannot hide is warned about
-            once, with the numbers (docs/benchmarks.md#self-tuned-round-length).
+            once, with the numbers (docs/benchmarks.md#self-tuned-round-length-issue-64).
         max_delay: steps a cross-node average may lag before it is applied (>= 0; 0 = synchronous). ``None``
             (default): the shortest delay that hides the measured exchange, at most a period (1 until measured).
         node_size: ranks per node; default from the cluster (``world_size // num_nodes``). A smaller value forms

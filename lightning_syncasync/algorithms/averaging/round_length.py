@@ -9,14 +9,18 @@ Every round-level strategy (``async_ssp``'s rounds, ``hier_sync``'s cross-node p
 ``step_s`` is the compute time of one local step (the loop's time between two steps, not counting waits on the
 exchange); ``exchange_s`` the measured duration of one round's exchange over the actual link (the collective on the
 exchange thread, not the time it sat in a queue); ``overlap`` the rounds of compute an exchange may hide behind (the
-staleness bound: 1 for ``async_ssp``'s default, ``max_delay / inter_period`` for ``hier_sync``). Then time to target
-follows learning where the link allows it (short rounds learn per sample as DDP does: ``docs/benchmarks.md``, the
-local-steps study), and throughput where it does not (a round never waits for its exchange).
+staleness bound: 1 for ``async_ssp``'s default and for ``hier_sync``, whose delay follows). Then time to target
+follows learning where the link allows it, and throughput where it does not (a round never waits for its exchange),
+as long as shorter rounds learn more per sample: true of the MNIST scenarios with Adam (rounds of 4 needed 0.88x the
+samples of 8), not of ``link_bound``'s SGD-with-momentum CNN, where rounds of 16 were soonest on both links and the
+rule's choice took 1.2x their time (docs/benchmarks.md#self-tuned-round-length-issue-64). A rule that reads learning
+per sample, or the CPU an exchange takes from the steps, is the known next step.
 
 Why not a fixed period (torch's ``PeriodicModelAverager``, DiLoCo's H) or AdaComm's loss-driven period (Wang & Joshi,
 2019): a fixed period is right for one ratio of compute to link only. On the 3.3 MB convnet of issue 64 at
 100 Mbit/s, rounds of 4 steps (the old default) spent 3x longer in their exchange than in their compute; at
-1 Gbit/s the same rounds were longer than the link needed and lost to DDP on time to target.
+1 Gbit/s the former ``async_ssp`` default reached the target at 0.81x DDP's speed (issue 64's user), where the
+self-tuned one is 1.38x [1.14-1.40] as fast.
 
 Re-deciding (a link that slows mid-run): measurements are smoothed (a moving average), and the length changes only
 when the rule's answer leaves a band around the current one: up at once when the current round no longer hides its
@@ -34,9 +38,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Defaults of the rule, each held on two workloads whose compute-to-communication ratios differ by more than 10x
-# (docs/benchmarks.md#self-tuned-round-length). Margin 1.5: an exchange measured at most 2/3 of the rounds it hides
-# behind, since a step's time and a transfer's both wander by about a quarter on a shared machine.
+# Defaults of the rule, measured on two links whose compute-to-communication ratios differ 10x (link_bound and
+# link_fast, 5 seeds, docs/benchmarks.md#self-tuned-round-length-issue-64): 6.06x and 1.38x DDP's speed to the target
+# for async_ssp, never behind DDP. Margin 1.5: an exchange measured at most 2/3 of the rounds it hides behind, since
+# a step's time and a transfer's both wander by about a quarter on a shared machine.
 DEFAULT_MARGIN = 1.5
 DEFAULT_MAX_STEPS = 64
 DEFAULT_START_STEPS = 4
