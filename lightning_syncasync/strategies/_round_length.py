@@ -4,20 +4,16 @@ rank 0), the one warning of a pinned length that is link-bound or of a link too 
 
 from __future__ import annotations
 
-import logging
-
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_syncasync.algorithms.averaging.round_length import RoundLength
 
-log = logging.getLogger(__name__)
-
 
 def round_length(local_steps: int | None, overlap: float, min_steps: int) -> RoundLength:
-    """The policy for a strategy's setting: ``None`` decided from the link, an integer pinned."""
-    return RoundLength(
-        fixed=local_steps, overlap=max(overlap, 1e-3), min_steps=min(min_steps, local_steps or min_steps)
-    )
+    """The policy for a strategy's setting: ``None`` decided from the link, an integer pinned. ``overlap`` is the
+    staleness bound; synchronous rounds (0) count as 1, as ``RoundExchange`` counts them: the round's own compute is
+    what its exchange is weighed against."""
+    return RoundLength(fixed=local_steps, overlap=max(overlap, 1.0), min_steps=min(min_steps, local_steps or min_steps))
 
 
 class RoundLengthReport:

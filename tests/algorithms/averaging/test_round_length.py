@@ -86,3 +86,12 @@ def test_unmeasured_numbers_decide_nothing():
     policy = RoundLength()
     assert policy.update(0.0, 0.3) is None and policy.update(float("nan"), 0.3) is None
     assert policy.steps == 4 and "not measured yet" in policy.describe()
+
+
+def test_synchronous_rounds_weigh_the_exchange_against_one_round_of_compute():
+    from lightning_syncasync.strategies._round_length import round_length
+
+    # staleness=0 must not divide by ~0 (it gave the longest round, 64 steps, before this was fixed).
+    assert round_length(None, 0, 2).rule(0.05, 0.30) == round_length(None, 1, 2).rule(0.05, 0.30) == 9
+    assert round_length(None, 2, 2).rule(0.05, 0.30) == 5
+    assert round_length(3, 1, 2).steps == 3 and round_length(1, 1, 2).min_steps == 1  # pinned below the floor: kept
