@@ -91,7 +91,7 @@ class _Round:
     launched_at: float
     due: int = 0  # the step at which it is applied (launch step + the delay decided then)
     meta: torch.Tensor | None = None  # [step_s, exchange_s] summed over nodes (appended to the uncompressed buffer)
-    done_at: float | None = None  # when it was first seen complete (uncompressed: polled at each step)
+    done_at: float | None = None  # uncompressed: when its collective completed (the work future's callback)
 
 
 class DelayedAverager:
@@ -218,9 +218,6 @@ class DelayedAverager:
                 self._last_launch = self.step
             self._last_step_at = time.perf_counter()
             return
-        for rnd in self.pending:  # when each uncompressed round was first seen complete: its exchange time
-            if rnd.done_at is None and not isinstance(rnd.work, Future) and rnd.work.is_completed():
-                rnd.done_at = now
         while self.pending and self.step >= self.pending[0].due:
             self._apply(self.pending.popleft())
         if self.num_nodes > 1 and self.step >= self._next_launch:
@@ -383,7 +380,7 @@ class DelayedAverager:
                 # The exchange's own end, for the policy: a callback when the collective completes (a poll at step
                 # boundaries would round every exchange up to a step, and ask for rounds twice as long on a fast link).
                 work.get_future().add_done_callback(lambda _: setattr(rnd, "done_at", time.perf_counter()))
-            except (RuntimeError, AttributeError):  # a backend without futures: polled in after_step instead
+            except (RuntimeError, AttributeError):  # a backend without futures: timed to the wait in _wait instead
                 pass
             self.pending.append(rnd)
             return
@@ -417,7 +414,7 @@ class DelayedAverager:
             rnd.work.wait()
             if before is not None and self.recorder is not None:
                 self.recorder.record_stream_wait(before, timing_event(rnd.buffer.device))
-            # Seen complete at a step boundary (an upper bound, within a step), or now, after waiting for it.
+            # Completed at done_at (its future's callback), or, on a backend without futures, now at the latest.
             self._exchange_s = (rnd.done_at or time.perf_counter()) - rnd.launched_at
             rnd.meta = rnd.buffer[-2:].to("cpu", torch.float32)
             return rnd.buffer[:-2].to(rnd.base.device) / self.num_nodes

@@ -537,19 +537,19 @@ class RoundExchange:
         ends = per_rank[:, 3].tolist()
         self._ends[rnd.index] = statistics.median(ends)
         times = [t for t in per_rank[:, 2].tolist() if t > 0]
-        if times and self.round_s is None:
-            self._behind = ends[self.rank] - self._ends[rnd.index] > 0.5 * self.local_steps * sum(times) / len(times)
-        elif self.round_s is not None:
-            self._behind = ends[self.rank] - self._ends[rnd.index] > 0.5 * self.round_s
+        step_s = sum(times) / len(times) if times else None  # the ranks' mean step time
+        if self.round_s is not None or step_s is not None:
+            late = ends[self.rank] - self._ends[rnd.index]
+            self._behind = late > 0.5 * (self.round_s if self.round_s is not None else self.local_steps * step_s)
         exchange_s = float(per_rank[:, 4].max())  # the slowest rank's: a round is delivered when its exchange is
-        if times and exchange_s > 0:
+        if step_s is not None and exchange_s > 0:
             self.stats.exchange_s.append(exchange_s)
             # The same metadata on every rank, the same decision: the length changes at this round everywhere.
-            self.length.update(sum(times) / len(times), exchange_s)
+            self.length.update(step_s, exchange_s)
         if self.round_s is not None:
             self._lengths[rnd.index] = self.round_s
-        elif times:
-            self._lengths[rnd.index] = self.local_steps * sum(times) / len(times)
+        elif step_s is not None:
+            self._lengths[rnd.index] = self.local_steps * step_s
             self.stats.round_s.append(self._lengths[rnd.index])
         else:
             self._ends.pop(rnd.index)  # no speed measured yet: the next rounds stay step-counted
