@@ -216,7 +216,7 @@ def split_ft_args(argv: list[str]) -> tuple[int, str, list[str]]:
 
 
 def _run_ft(nodes: int, faults: str, argv: list[str]) -> int:
-    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster, node_command
 
     devices = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--trainer.devices=") and
                     a.split("=", 1)[1].isdigit()), 2)  # fmt: skip
@@ -229,7 +229,7 @@ def _run_ft(nodes: int, faults: str, argv: list[str]) -> int:
         )
     except ValueError as err:  # a bad --ft-faults schedule, torchft missing
         sys.exit(f"syncasync-cli: error: {err}")
-    report = cluster.run([sys.executable, "-m", "lightning_syncasync.cli", *argv])
+    report = cluster.run(node_command(devices, "lightning_syncasync.cli", argv))
     for r in report.runs:
         print(f"syncasync-cli: node {r.node} exit {r.exit_code}{' (killed)' if r.killed else ''}: {r.log}")
     return 1 if report.failed or report.interrupted else 0

@@ -203,6 +203,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "sync_summary": summary,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    if trainer.lightning_module is not None:
+        results["state_digest"] = state_digest(trainer.lightning_module)
     elastic = getattr(trainer.strategy, "elastic_stats", None)
     if elastic is not None:  # fault-tolerant strategies: rounds, participants, heals (rank 0's view)
         results["elastic"] = dataclasses.asdict(elastic)
@@ -214,6 +216,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         shown = f"{metric}={value:.4f}" if value is not None else f"{metric} not logged"
         log.info("done: %s after %d steps in %.1f s; results in %s", shown, steps, fit_s, path)
     return results
+
+
+def state_digest(module: Any) -> dict[str, str]:
+    """SHA-256 of the module's parameters and of its buffers (this rank's, at the end of fit), so that runs, ranks and
+    nodes can be checked to end with bitwise the same model (the fault-tolerant strategies' claim)."""
+    import hashlib
+
+    import torch
+
+    digests = {}
+    for kind, named in (("parameters", module.named_parameters()), ("buffers", module.named_buffers())):
+        h = hashlib.sha256()
+        for name, tensor in named:
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digests[kind] = h.hexdigest()
+    return digests
 
 
 def _searchpath_overrides(hc: Any) -> list[str]:
@@ -242,7 +261,7 @@ def _run_multirun_job_in_child(cfg: DictConfig) -> dict[str, Any]:
 def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
     """``ft=N``: a torchft Lighthouse and N jobs of this app, one per emulated node (each its own output folder
     ``node{n}``), with ``ft_faults``; the results are node 0's last run's, with every run's exit listed."""
-    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster, first_step_clock
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster, first_step_clock, node_command
 
     validate_config(cfg)
     hc = HydraConfig.get()
@@ -256,13 +275,14 @@ def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
     env, origin = first_step_clock(output_dir, int(cfg.ft)) if monitored else ({}, None)
     if cfg.ft_faults and not monitored:
         log.info("ft_faults: no SyncMonitor in the callbacks, so the fault times count from the launch")
+    procs = devices if isinstance(devices, int) and devices > 0 else 1
     cluster = ReplicaGroupCluster(
-        nodes=int(cfg.ft), procs_per_node=devices if isinstance(devices, int) and devices > 0 else 1,
-        faults=str(cfg.ft_faults or ""), log_dir=output_dir, faults_setting="ft_faults", origin=origin, env=env,
+        nodes=int(cfg.ft), procs_per_node=procs, faults=str(cfg.ft_faults or ""), log_dir=output_dir,
+        faults_setting="ft_faults", origin=origin, env=env,
     )  # fmt: skip
     task = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in ("ft", "ft_faults")]
-    cmd = [sys.executable, "-m", "lightning_syncasync.train", *_searchpath_overrides(hc), *task,
-           f"hydra.run.dir={output_dir}/node{{node}}", "hydra.mode=RUN"]  # fmt: skip
+    cmd = node_command(procs, "lightning_syncasync.train", [*_searchpath_overrides(hc), *task,
+                       f"hydra.run.dir={output_dir}/node{{node}}", "hydra.mode=RUN"])  # fmt: skip
     report = cluster.run(cmd)
     if report.interrupted or report.failed:
         bad = ", ".join(f"node {r.node} exit {r.exit_code} ({r.log})" for r in report.failed) or "interrupted"

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_syncasync.train as train_app
 from lightning_syncasync.advise.__main__ import main as advise_main
+from lightning_syncasync.algorithms.averaging.elastic import advertised_host, choose_host
 from lightning_syncasync.algorithms.batching.balancer import BatchBalancer
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.costmodel import ScalingModel
@@ -119,6 +120,12 @@ def _without_torchft() -> None:
     # As on a machine where the ft extra is not installed.
     with mock.patch.dict("sys.modules", {"torchft": None}):
         Trainer(strategy="hier_sync_ft", accelerator="cpu", devices=1, logger=False)
+
+
+def _ft_host_loopback() -> None:
+    # advertised_host on this machine as torchft's manager would call it (the route lookup sends no packet).
+    with mock.patch.dict(os.environ, {"SYNCASYNC_FT_HOST": "127.0.0.1"}):
+        advertised_host("http://192.0.2.10:29510")
 
 
 def _ft_spanning_nodes() -> None:
@@ -635,6 +642,14 @@ CASES: list[Case] = [
          r"HINT: 'elastic' is this pack's rounds"),
     Case("ft-num-nodes", "strategy hier_sync_ft", "Trainer(strategy='hier_sync_ft', num_nodes=2)",
          _ft_spanning_nodes, ValueError, r"num_nodes=2", r"HINT: start the same script on every node", SETUP),
+    Case("ft-host-loopback", "strategy hier_sync_ft",
+         "SYNCASYNC_FT_HOST=127.0.0.1 with the Lighthouse on another host", _ft_host_loopback, ValueError,
+         r"SYNCASYNC_FT_HOST='127\.0\.0\.1' is a loopback address", r"HINT: set SYNCASYNC_FT_HOST to this node's",
+         SETUP),
+    Case("ft-host-only-loopback", "strategy hier_sync_ft",
+         "the hostname and MASTER_ADDR only loopback, no other route, SYNCASYNC_FT_HOST unset",
+         lambda: choose_host(None, "vm", [], "127.0.0.1", "192.0.2.10"), ValueError,
+         r"hostname 'vm' resolves only to loopback.*MASTER_ADDR", r"HINT: export SYNCASYNC_FT_HOST=", SETUP),
     Case("ft-lighthouse-unreachable", "strategy hier_sync_ft", "TORCHFT_LIGHTHOUSE=http://127.0.0.1:9 (nothing there)",
          lambda: check_reachable("http://127.0.0.1:9", 1.0, "hier_sync_ft"), ConnectionError,
          r"cannot reach the Lighthouse at http://127\.0\.0\.1:9", r"HINT: start it", SETUP),

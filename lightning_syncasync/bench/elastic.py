@@ -50,7 +50,12 @@ from typing import TYPE_CHECKING, Any
 from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.callbacks._timeline import read_timeline
 from lightning_syncasync.emulate.cluster import free_port
-from lightning_syncasync.emulate.replica_groups import TIMELINE_FILE, ReplicaGroupCluster, first_step_clock
+from lightning_syncasync.emulate.replica_groups import (
+    TIMELINE_FILE,
+    ReplicaGroupCluster,
+    first_step_clock,
+    node_command,
+)
 
 if TYPE_CHECKING:
     from lightning_syncasync.bench.runner import BenchRunner, Contender
@@ -101,7 +106,7 @@ def run_elastic(
     ppn = scenario.procs_per_node
     if ft:
         overrides = [*base, "trainer.num_nodes=1", f"trainer.devices={ppn}", f"hydra.run.dir={run_dir}/node{{node}}"]
-        cmd = [sys.executable, "-m", "lightning_syncasync.train", *overrides]
+        cmd = node_command(ppn, "lightning_syncasync.train", overrides)
         env: dict[str, str] = {}
     else:
         overrides = [

@@ -441,9 +441,9 @@ def _stopped(pid: int) -> bool:
     return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "T"
 
 
-def _tee(src: IO[bytes], dst: IO[bytes]) -> None:
+def _tee(src: IO[bytes], dst: IO[bytes], prefix: bytes = b"") -> None:
     for line in iter(src.readline, b""):
         dst.write(line)
         dst.flush()
-        sys.stdout.buffer.write(line)
+        sys.stdout.buffer.write(prefix + line)
         sys.stdout.flush()

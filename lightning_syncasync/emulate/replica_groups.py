@@ -5,8 +5,9 @@ This is the launch of ``docs/fault_tolerance.md`` on one machine: every node is 
 per node; Lightning's launcher starts the node's ranks, ``trainer.devices`` of them), with ``REPLICA_GROUP_ID``,
 ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set, as a scheduler would set them on real nodes. With network
 namespaces (``netns=True``, root) each node sits behind its own rate-limited link (:class:`EmulatedNetwork`), the
-Lighthouse runs in node 0's namespace (its own process: killing node 0's job leaves it up), and each node advertises
-its own address to the others (``SYNCASYNC_FT_HOST``).
+Lighthouse runs in node 0's namespace (its own process: killing node 0's job leaves it up). A node is given only
+what the docs tell a user to set (the Lighthouse's address, its group id, the number of groups): its launcher picks
+``MASTER_ADDR``, and it finds the address the others reach it at itself, as on separate hosts.
 
 Fault schedule: ``kill:1@10,start:1@25`` SIGKILLs node 1's job (every process of it) 10 s after the start and starts
 it again at 25 s; ``term:1@10`` sends it SIGTERM instead (a preemption notice: the node stops at its next step and
@@ -154,7 +155,8 @@ class ReplicaGroupCluster:
             round (validation, a checkpoint save) before forming the round without it.
         heartbeat_timeout_ms: how long after its last heartbeat a node counts as dead.
         log_dir: ``node{n}.log`` (``node{n}.{k}.log`` for its k-th restart), ``lighthouse.log``, ``emulation.json``.
-        echo: copy node 0's first run's output to this process's stdout.
+        echo: copy every node's output to this process's stdout, each line prefixed with ``[node N]`` (``[node
+            N.k]`` for its k-th restart), as torchrun's ``--tee`` does for its ranks; the logs keep it unprefixed.
         faults_setting: how the front end names the schedule in its errors (``--ft-faults``, ``ft_faults``).
         lighthouse: start a torchft Lighthouse and set the torchft variables (``False``: any per-node job).
         cores_per_node: cap each node's processes at this many cores (cgroups; root), ``None``: no cap.
@@ -359,18 +361,22 @@ class ReplicaGroupCluster:
     def node_env(self, node: int, lighthouse: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update({k: v.replace("{node}", str(node)) for k, v in self.extra_env.items()})
-        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                    "TORCHELASTIC_RUN_ID", "GLOO_SOCKET_IFNAME"):  # fmt: skip
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                    "TORCHELASTIC_RUN_ID", "GLOO_SOCKET_IFNAME", "MASTER_PORT", FT_HOST_ENV):  # fmt: skip
             env.pop(var, None)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("RUST_LOG", "warn")
-        host = self.network.address(node) if self.network is not None else "127.0.0.1"
         if self.lighthouse:
+            # Only what docs/fault_tolerance.md tells a user to set on a node (and our marker that the front ends
+            # read): the node's launcher (torchrun --standalone, Lightning's) picks MASTER_ADDR/MASTER_PORT, and the
+            # node finds the address the others reach it at by itself (advertised_host), as on real hosts.
             env.update(
                 TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(node), NUM_REPLICA_GROUPS=str(self.nodes),
-                MASTER_ADDR=host, MASTER_PORT=str(free_port()), **{FT_HOST_ENV: host, FT_NODE_ENV: str(node)},
+                **{FT_NODE_ENV: str(node)},
             )  # fmt: skip
-        if self.network is not None:
+        elif self.network is not None:
+            # Any per-node job (torchrun across nodes with --local-addr): gloo's default device is the hostname's
+            # address, loopback in every namespace here, so name the node's interface as reliability.md says.
             env["GLOO_SOCKET_IFNAME"] = self.network.interface(node)
         return env
 
@@ -388,7 +394,7 @@ class ReplicaGroupCluster:
             cmd = self.network.exec_prefix(node) + cmd
         out = open(log_dir / name, "wb")  # noqa: SIM115 - closed by run()
         files.append(out)
-        echo = self.echo and node == 0 and attempt == 0
+        echo = self.echo
         shares = self.shares
         proc = subprocess.Popen(
             cmd, env=self.node_env(node, report.lighthouse), stdout=subprocess.PIPE if echo else out,
@@ -396,7 +402,8 @@ class ReplicaGroupCluster:
             preexec_fn=(lambda: shares.join(f"node{node}")) if shares is not None else None,
         )  # fmt: skip
         if echo:
-            threading.Thread(target=_tee, args=(proc.stdout, out), daemon=True).start()
+            prefix = f"[node {node}] " if attempt == 0 else f"[node {node}.{attempt}] "
+            threading.Thread(target=_tee, args=(proc.stdout, out, prefix.encode()), daemon=True).start()
         self._procs[node] = proc
         run = NodeRun(node=node, started_at=time.monotonic() - start, log=str(log_dir / name))
         self._runs[node] = run
@@ -438,6 +445,15 @@ class ReplicaGroupCluster:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stop = True
+
+
+def node_command(procs_per_node: int, module: str, args: Sequence[str]) -> list[str]:
+    """One node's job as docs/fault_tolerance.md launches it on a real node: ``torchrun --standalone`` with the
+    node's ranks, running ``python -m module args``. Its ``MASTER_ADDR`` is the launcher's loopback address, as on a
+    real host, so the emulation runs what a user's launch runs (issue 65: a launch that only worked because the
+    emulator set the node's address itself)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs_per_node}",
+            "-m", module, *args]  # fmt: skip
 
 
 def first_step_clock(folder: Path, nodes: int) -> tuple[dict[str, str], Callable[[], float | None]]:

@@ -20,7 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_syncasync.algorithms._flat import broadcast_flat_
 
 
 class MergesBeforeUserHooks:
@@ -43,7 +47,23 @@ class MergesBeforeUserHooks:
         if self._replicas_merged:
             return
         self._merge_replicas()
+        self._buffers_as_rank0()
         self._replicas_merged = True
+
+    def _buffers_as_rank0(self) -> None:
+        """After the merge, every buffer of the module is rank 0's (DDP's rule, which it applies at every forward).
+
+        The merge averages the float buffers the strategy captured at setup; what it cannot reach stays each rank's
+        own: integer buffers (BatchNorm's ``num_batches_tracked``, which counts this rank's steps) and a buffer a
+        module replaced by a new tensor since setup (``self.ema = 0.9 * self.ema + ...`` in a third-party module).
+        So the buffers are read again here, and broadcast: one collective, at the end of fit only."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return
+        # Sharded buffers (DTensor) are the sharding's to keep consistent.
+        buffers = [b for b in module.buffers() if type(b) is torch.Tensor]
+        if buffers:
+            broadcast_flat_(buffers, 0)
 
     # No @override on the three hooks below: the mixin has no base of its own; they chain, through super(), to the
     # strategy's Lightning base that follows it in the MRO.

@@ -305,6 +305,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             extra_state=(self._save_extra, self._load_extra),
             on_heal=self._healed,
             cut_timeout_s=self.quorum_timeout_s,
+            counters=[b for b in module.buffers() if not b.is_floating_point()],
         )
         self.elastic_stats = self.rounds.stats
         if self._restored is not None:  # a checkpoint read before setup (Lightning's order for some loaders)
@@ -632,6 +633,17 @@ def quiet_torchft_logs() -> None:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.WARNING)
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorder) for f in manager_log.filters):
+        manager_log.addFilter(_NoFlightRecorder())
+
+
+class _NoFlightRecorder(logging.Filter):
+    """torchft warns at every process-group reconfiguration that it cannot reset NCCL's flight recorder, also on a
+    CPU run that has no NCCL (the rounds here run on gloo): nothing for the user to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
 
 
 def _env_int(var: str, setting: str) -> int:

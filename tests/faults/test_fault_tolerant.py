@@ -48,6 +48,7 @@ def _restart_overlap(out: Path) -> tuple[float, float]:
     return last - j["joined_at"], (j["joined_at"] - first) / (last - first)
 
 
+@pytest.mark.slow  # the same kill and restart across network namespaces runs by default (test_ft_launch.py)
 @pytest.mark.timeout(600)
 def test_a_killed_node_leaves_and_its_restart_heals_from_the_survivor(tmp_path):
     # The fault clock starts at the first training step (first_step_clock): node 1 has trained rounds with node 0

@@ -46,6 +46,7 @@ progress, and a copy would make the peer's count twice.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 import socket
@@ -55,6 +56,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -70,8 +72,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ElasticRounds", "ModelMismatchError", "QuorumError", "QuorumManager"]
 
 # The header of a round, summed over the groups: contributing groups, present groups, the model's size, its
-# fingerprint, summed step times (s) and the number of groups that measured one, samples, committed-round clock.
+# fingerprint, summed step times (s) and the number of groups that measured one, samples, groups ending their fit.
 _HEADER = 8
+_STOPPING = 7
 _HEAL_KEY = "syncasync_elastic"
 
 
@@ -189,6 +192,9 @@ class ElasticRounds:
             the number of local steps the peers took between sending the state and committing the round (``0`` with
             ``staleness=0``): what the caller adds to the step counter it restored through ``extra_state``.
         cut_timeout_s: how long a consistent cut may keep retrying rounds that do not commit.
+        counters: integer buffers (BatchNorm's ``num_batches_tracked``): not averaged as the model is, but made the
+            same on every group at each consistent cut (the rounded mean of the groups' counts), and taken from the
+            live peer by a joiner.
 
     Example::
 
@@ -216,6 +222,7 @@ class ElasticRounds:
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
         on_heal: Callable[[int], None] | None = None,
         cut_timeout_s: float = 300.0,
+        counters: Sequence[torch.Tensor] = (),
     ) -> None:
         check_elastic(local_steps, staleness, 1, None)
         if not tensors:
@@ -236,6 +243,8 @@ class ElasticRounds:
         self.cut_timeout_s = cut_timeout_s
         self.numel = sum(t.numel() for t in self.tensors)
         self.shard_numel = -(-self.numel // node_size)
+        self.counters = list(counters)
+        self.counters_numel = sum(t.numel() for t in self.counters)
         self.stats = ElasticStats()
         self.anchor = self._shard()  # the global model (this rank's shard); the same on every group
         self._base = self.anchor.clone()  # this rank's shard at the last snapshot
@@ -250,6 +259,7 @@ class ElasticRounds:
         self._round_started = time.time()
         self._round_s: float | None = None  # dynamic: the agreed round length
         self._gated = False  # a round is being exchanged on the main thread (committed with no step in between)
+        self._last_header = torch.zeros(_HEADER, dtype=torch.float64)  # the last round's, summed over the groups
         self.last_participants = 0
         manager.register_state_dict_fn(_HEAL_KEY, self._load_heal, self._heal_state)
 
@@ -286,16 +296,26 @@ class ElasticRounds:
 
     def cut(self, stop: bool = False) -> None:
         """A consistent cut: the round in flight committed or carried, then rounds with no new step until one
-        commits; every group present then holds the anchor bitwise. ``stop`` ends the exchange thread after it."""
+        commits; every group present then holds the anchor bitwise.
+
+        ``stop`` (the end of this group's fit): the group goes on taking part in the others' rounds, with nothing,
+        until a round commits in which every group present is stopping too, then ends the exchange thread. So every
+        group present at the end holds the same final model, also where the groups end their fit at different times
+        (rounds of wall-clock length, ``dynamic``: a faster group runs out of data first; issue 65 found
+        ``async_ssp_ft``'s nodes ending with different models); a group that stops waits for the others' last
+        round."""
         start = time.perf_counter()
         deadline = start + self.cut_timeout_s
         if self._flight is not None:
             self._commit_round(self._flight)
             self._flight = None
         while True:
-            if self._commit_round(self._launch(gate=True), replace=True):
-                break
-            if time.perf_counter() > deadline:
+            if self._commit_round(self._launch(gate=True, stopping=stop), replace=True):
+                header = self._last_header
+                if not stop or int(round(float(header[_STOPPING]))) >= int(round(float(header[1]))):
+                    break
+                deadline = time.perf_counter() + self.cut_timeout_s  # the others train on: rounds keep committing
+            elif time.perf_counter() > deadline:
                 raise TimeoutError(
                     f"a consistent cut found no committed round in {self.cut_timeout_s:g}s (cut_timeout_s); HINT: "
                     "check that the Lighthouse runs and that min_replicas groups are alive"
@@ -370,7 +390,7 @@ class ElasticRounds:
         if self.recorder is not None:
             self.recorder.record_wait(waited)
 
-    def _launch(self, gate: bool) -> _Flight:
+    def _launch(self, gate: bool, stopping: bool = False) -> _Flight:
         """Snapshot this rank's progress and start the round's quorum and exchange (on the thread unless ``gate``)."""
         theta = self._shard()
         delta = self._base - theta
@@ -385,7 +405,7 @@ class ElasticRounds:
             samples += self._carry_samples
             self._carry, self._carry_samples = None, 0
         # On the CPU: the exchange goes over torchft's gloo process group (make_manager).
-        payload = torch.zeros(_HEADER + self.shard_numel, dtype=torch.float32, device="cpu")
+        payload = torch.zeros(_HEADER + self.shard_numel + self.counters_numel, dtype=torch.float32, device="cpu")
         header = torch.zeros(_HEADER, dtype=torch.float64, device="cpu")
         header[0] = 1.0 if samples > 0 else 0.0
         header[1] = 1.0
@@ -394,7 +414,13 @@ class ElasticRounds:
         if self._step_ema is not None:
             header[4], header[5] = self._step_ema, 1.0
         header[6] = float(samples)
-        payload[_HEADER:] = delta
+        header[_STOPPING] = 1.0 if stopping else 0.0
+        payload[_HEADER : _HEADER + self.shard_numel] = delta
+        if self.counters:
+            # fp32 counts are exact below 2**24 / groups (steps of a BatchNorm layer).
+            payload[_HEADER + self.shard_numel :] = torch.cat(
+                [c.detach().reshape(-1).cpu().float() for c in self.counters]
+            )
         self.stats.launches.append((self.manager.current_step() + 1, samples))
         rnd = _Flight(delta, samples, payload, Future(), time.perf_counter())
         if gate or self._thread is None:
@@ -439,6 +465,7 @@ class ElasticRounds:
                 "wait is bounded by quorum_timeout_s"
             ) from err
         header = rnd.payload[:_HEADER].double()
+        self._last_header = header
         try:
             committed = self.manager.should_commit()
         except Exception:
@@ -487,7 +514,7 @@ class ElasticRounds:
             if self.dynamic:
                 self._round_s = self.local_steps * mean_step
         if contributors > 0:
-            grad = rnd.payload[_HEADER:] / contributors
+            grad = rnd.payload[_HEADER : _HEADER + self.shard_numel] / contributors
             step = self.outer.step(grad)
         else:
             step = torch.zeros_like(rnd.delta)
@@ -497,6 +524,9 @@ class ElasticRounds:
             # bitwise the same on every group.
             copy_flat_(self.tensors, self._gather(self.anchor)[: self.numel])
             self._base = self.anchor.clone()
+            if replace and self.counters and present > 0:
+                counts = rnd.payload[_HEADER + self.shard_numel :].double() / present
+                copy_flat_(self.counters, counts.round().to(torch.int64))
         else:
             correction = rnd.delta - step  # this group's own progress out, the global step in
             add_flat_(self.tensors, self._gather(correction)[: self.numel])
@@ -533,6 +563,9 @@ class ElasticRounds:
         else:
             copy_flat_(self.tensors, self._gather(self.anchor)[: self.numel])
             self._base = self.anchor.clone()
+        # After the round: its counts held this group's own (zeros for a new group), the peer's are the job's.
+        for counter, value in zip(self.counters, healed.get("counters") or (), strict=False):
+            counter.copy_(value)
         if self.on_heal is not None:
             # With staleness 1 the peer had taken `round_steps` steps of its next round when it sent its state, and
             # commits this round after `local_steps` of them (rounds of a fixed step count).
@@ -553,6 +586,7 @@ class ElasticRounds:
             # Steps this group will take between this heal and the round's commit: with staleness 1 the round in
             # flight commits at the end of the next one, of which `_steps` are done.
             "round_steps": None if self._gated or self.staleness == 0 else self._steps,
+            "counters": [c.detach().cpu().clone() for c in self.counters],
         }
         if self.extra_state is not None:
             state["extra"] = self.extra_state[0]()
@@ -602,9 +636,90 @@ def _agrees(header: torch.Tensor, numel: int, fingerprint: int) -> bool:
 
 FT_HINT = 'HINT: pip install "lightning-syncasync[ft]"'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-# The address the other nodes reach this node's torchft manager and checkpoint server at (default: its hostname);
-# syncasync-emulate sets it to each emulated node's address.
+# The address the other nodes reach this node's store, manager, checkpoint server and exchange at (advertised_host).
 FT_HOST_ENV = "SYNCASYNC_FT_HOST"
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def choose_host(explicit: str | None, hostname: str, hostname_addresses: Sequence[str], route_address: str | None,
+                lighthouse_host: str) -> str:  # fmt: skip
+    """The address this node advertises to the others, from what the machine reports (:func:`advertised_host`).
+
+    In order: ``SYNCASYNC_FT_HOST``; else the first address of the hostname that is this machine's own and not a
+    loopback (a cluster's usual answer, and torchrun's); else the address this machine reaches the Lighthouse from
+    (the interface the other nodes' traffic arrives on: the right one when ``/etc/hosts`` maps the hostname to
+    127.0.0.1, as containers and network namespaces do). A loopback address is only ever advertised when the
+    Lighthouse itself is on loopback, i.e. every node is on this machine (``syncasync-train ft=2``).
+
+    Why not ``MASTER_ADDR``: ``torchrun --standalone`` (and Lightning's own launcher) set it to a loopback address,
+    which is right for the ranks inside the node and wrong for the other nodes: a node that advertised it sent the
+    others to their own localhost (issue 65)."""
+    remote = not _is_loopback(lighthouse_host)
+    if explicit:
+        if _is_loopback(explicit) and remote:
+            raise ValueError(
+                f"{FT_HOST_ENV}={explicit!r} is a loopback address, but the Lighthouse is at {lighthouse_host}: the "
+                f"other nodes cannot reach this node there. HINT: set {FT_HOST_ENV} to this node's address on the "
+                f"network the nodes share, or unset it (the address this node reaches the Lighthouse from is used)"
+            )
+        return explicit
+    for address in hostname_addresses:
+        if not _is_loopback(address):
+            return address
+    if route_address and not _is_loopback(route_address):
+        return route_address
+    if not remote:
+        return "127.0.0.1"
+    raise ValueError(
+        f"no address of this node that the other nodes can reach: the hostname {hostname!r} resolves only to "
+        f"loopback ({', '.join(hostname_addresses) or 'nothing'}), MASTER_ADDR is a launcher's loopback address, "
+        f"{FT_HOST_ENV} is unset, and the route to the Lighthouse at {lighthouse_host} leaves from "
+        f"{route_address or 'nowhere'}. HINT: export {FT_HOST_ENV}=<this node's address> on every node (and "
+        "GLOO_SOCKET_IFNAME=<its interface> for the ranks inside the node), or map the hostname to that address"
+    )
+
+
+def advertised_host(lighthouse: str) -> str:
+    """:func:`choose_host` from this machine's facts: ``SYNCASYNC_FT_HOST``, the hostname's addresses that can be
+    bound here (an ``/etc/hosts`` entry of another machine is not this node's), and the source address of the route
+    to the Lighthouse (a UDP ``connect``: no packet is sent)."""
+    parsed = urlparse(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
+    lh_host, lh_port = parsed.hostname or "", parsed.port or 29510
+    name = socket.gethostname()
+    own: list[str] = []
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for family, _, _, _, sockaddr in infos:
+        address = str(sockaddr[0])
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((address, 0))
+        except OSError:
+            continue
+        if address not in own:
+            own.append(address)
+    route = None
+    try:
+        family = socket.getaddrinfo(lh_host, lh_port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(family[4])
+            route = str(probe.getsockname()[0])
+    except OSError:
+        pass
+    lh_address = lh_host
+    try:
+        lh_address = socket.getaddrinfo(lh_host, None)[0][4][0]
+    except OSError:
+        pass
+    return choose_host(os.environ.get(FT_HOST_ENV), name, own, route, str(lh_address))
 
 
 def require_torchft(owner: str) -> Any:
@@ -646,8 +761,14 @@ def make_manager(
     the device; it is not used until it has been run on a GPU (docs/fault_tolerance.md)."""
     torchft = require_torchft(owner)
     timeout = timedelta(seconds=timeout_s)
-    host = os.environ.get(FT_HOST_ENV) or socket.gethostname()
-    pg = torchft.ProcessGroupGloo(timeout=timeout)
+    # Every address the other nodes use to reach this node is the advertised one (advertised_host): the group's
+    # store (the one the launcher started: it listens on every interface), the manager server, the checkpoint
+    # server, and the exchange's gloo sockets.
+    host = advertised_host(lighthouse)
+    if store_addr is None:
+        store_addr, store_port = host, store_port or int(os.environ["MASTER_PORT"])
+    own_device = not os.environ.get("GLOO_SOCKET_IFNAME")
+    pg = _gloo_at(torchft, host, timeout) if own_device else torchft.ProcessGroupGloo(timeout=timeout)
     return torchft.Manager(
         pg=pg,
         load_state_dict=None,
@@ -669,6 +790,37 @@ def make_manager(
     )
 
 
+def _gloo_at(torchft: Any, host: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, with its sockets on ``host``. gloo's default device is the hostname's
+    address, which is loopback where ``/etc/hosts`` maps the hostname to 127.0.0.1 (containers, network namespaces):
+    the peers would then be told to connect to their own loopback. ``GLOO_SOCKET_IFNAME``, when set, wins (the
+    caller keeps torchft's own group then). The body is torchft 0.2's ``_create_pg`` with a device in the options."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroupGloo as BaseGloo
+
+    class _GlooAt(torchft.ProcessGroupGloo):
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            options = BaseGloo._Options()
+            options._timeout = self._timeout
+            options._devices = [BaseGloo.create_device(hostname=host)]
+            pg = ProcessGroup(store, rank, world_size)
+            pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+            backend = BaseGloo(store, rank, world_size, options)
+            backend._set_sequence_number_for_group()
+            if self._global_ranks:
+                backend.options.global_ranks_in_group = self._global_ranks
+            if self._group_rank and self._group_world_size:
+                backend.options.group_name = (
+                    f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+                )
+            for device in ("cpu", "cuda"):
+                if device == "cpu" or torch.cuda.is_available():
+                    pg._register_backend(torch.device(device), ProcessGroup.BackendType.GLOO, backend)
+            return pg
+
+    return _GlooAt(timeout=timeout)
+
+
 def _transport(torchft: Any, host: str, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport, advertised at ``host`` (torchft's own uses the hostname, which emulated
     nodes share)."""
@@ -678,4 +830,8 @@ def _transport(torchft: Any, host: str, timeout: timedelta) -> Any:
         def address(self) -> str:
             return super().address().replace(f"//{socket.gethostname()}:", f"//{host}:", 1)
 
-    return _HostTransport(timeout=timeout, num_chunks=0)
+    transport = _HostTransport(timeout=timeout, num_chunks=0)
+    # http.server prints an access line to stderr for every state a joiner fetches ("GET /checkpoint/16/full HTTP/1.1"
+    # 200): noise in a user's run. The handler class is this transport's own (torchft defines it per server).
+    transport._server.RequestHandlerClass.log_message = lambda *args: None
+    return transport
