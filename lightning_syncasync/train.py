@@ -288,7 +288,10 @@ def _run_fault_tolerant_job(cfg: DictConfig) -> dict[str, Any]:
         bad = ", ".join(f"node {r.node} exit {r.exit_code} ({r.log})" for r in report.failed) or "interrupted"
         raise RuntimeError(f"the fault-tolerant job did not end cleanly: {bad}")
     results = json.loads((output_dir / "node0" / cfg.results_file).read_text())
-    results["ft"] = {"nodes": int(cfg.ft), "faults": str(cfg.ft_faults or ""), "runs": [vars(r) for r in report.runs]}
+    results["ft"] = {"nodes": int(cfg.ft), "faults": str(cfg.ft_faults or ""), "runs": [vars(r) for r in report.runs],
+                     "not_applied": report.not_applied}  # fmt: skip
+    if report.not_applied:
+        log.warning("ft_faults: %d fault(s) not applied: %s", len(report.not_applied), "; ".join(report.not_applied))
     (output_dir / cfg.results_file).write_text(json.dumps(results, indent=2, default=str))
     return results
 

@@ -29,6 +29,7 @@ def main() -> None:
     kill_at = int(sys.argv[6]) if len(sys.argv) > 6 else -1
     sleep_s = float(sys.argv[7]) if len(sys.argv) > 7 else 0.02
     outer_name = sys.argv[8] if len(sys.argv) > 8 else "average"
+    compression = sys.argv[9] if len(sys.argv) > 9 else "none"
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     manager = make_manager(
@@ -58,6 +59,7 @@ def main() -> None:
     rounds = ElasticRounds(
         w, manager, names=["a", "b"], node_group=dist.group.WORLD, local_rank=rank, node_size=world,
         local_steps=local_steps, staleness=staleness, outer=outer, extra_state=(save_extra, load_extra),
+        compression=compression,
         on_heal=on_heal,
     )  # fmt: skip
     done = 0

@@ -131,7 +131,8 @@ class ReplicaGroupsReport:
     wall_s: float = 0.0
     interrupted: bool = False
     origin_s: float | None = None  # seconds from the start at which the fault schedule's clock started
-    faults_not_applied: int = 0  # events left when every node had ended before the clock started
+    faults_not_applied: int = 0  # events not applied: every node ended first, or the node was not running / alone
+    not_applied: list[str] = field(default_factory=list)  # each of them, and why
     cpu_mode: str = "shared"  # "cgroup" when cores_per_node capped each node
     cores_per_node: float | None = None
 
@@ -269,7 +270,10 @@ class ReplicaGroupCluster:
                         log.info("fault clock starts at %.1f s", origin)
                 while origin is not None and pending and origin + pending[0].at_s <= now:
                     event = pending.pop(0)
-                    if event.kind == "kill":
+                    why = self._cannot_apply(event, report)
+                    if why:
+                        self._skip(report, event, why)
+                    elif event.kind == "kill":
                         self._kill_node(event.node, start)
                     elif event.kind == "term":
                         self._terminate_node(event.node, start)
@@ -281,6 +285,12 @@ class ReplicaGroupCluster:
                         run = self._runs[node]
                         run.exit_code, run.ended_at = code, time.monotonic() - start
                         del self._procs[node]
+                if not self._procs and pending and origin is not None and report.runs:
+                    # Every node has ended: what is left of the schedule would only start nodes that train alone
+                    # from scratch (and overwrite their results), so none of it runs.
+                    for event in pending:
+                        self._skip(report, event, "every node had already finished")
+                    pending = []
                 if not self._procs and not pending:
                     break
                 if not self._procs and origin is None:
@@ -288,7 +298,9 @@ class ReplicaGroupCluster:
                     # never reports its first step): the schedule cannot start, and waiting for it would hang.
                     log.warning("every node ended before the fault clock started: %d fault(s) not applied",
                                 len(pending))  # fmt: skip
-                    report.faults_not_applied = len(pending)
+                    for event in pending:
+                        report.not_applied.append(f"{event.kind}:{event.node}@{event.at_s:g}: the clock never started")
+                    report.faults_not_applied = len(report.not_applied)
                     break
                 if timeout_s is not None and now > timeout_s:
                     log.error("timeout after %.0f s: stopping every node", timeout_s)
@@ -318,6 +330,20 @@ class ReplicaGroupCluster:
         return report
 
     # -- internals ---------------------------------------------------------------------------------------------
+
+    def _cannot_apply(self, event: NodeEvent, report: ReplicaGroupsReport) -> str:
+        """Why ``event`` cannot do what it says now ('' when it can)."""
+        if event.kind != "start":
+            return "" if event.node in self._procs else f"node {event.node} had already finished"
+        if report.runs and not self._procs:
+            return "every node had already finished (it would train alone from scratch and overwrite its results)"
+        return ""
+
+    def _skip(self, report: ReplicaGroupsReport, event: NodeEvent, why: str) -> None:
+        text = f"{event.kind}:{event.node}@{event.at_s:g}: {why}"
+        log.warning("fault not applied: %s. HINT: a longer job (trainer.max_epochs), or earlier fault times", text)
+        report.not_applied.append(text)
+        report.faults_not_applied = len(report.not_applied)
 
     def _start_lighthouse(self, log_dir: Path, files: list[IO[bytes]]) -> tuple[subprocess.Popen, str]:
         port = free_port()

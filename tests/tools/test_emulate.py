@@ -282,3 +282,22 @@ def test_nodes_that_end_before_the_clock_starts_end_the_run_with_the_faults_coun
     assert not report.interrupted and report.origin_s is None
     assert report.faults_not_applied == 2 and [r.exit_code for r in report.runs] == [3, 3]
     assert env["SYNCASYNC_TIMELINE"] == str(tmp_path / "timeline.node{node}.jsonl")
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_due_after_every_node_finished_is_not_started_and_is_reported(tmp_path, caplog):
+    # The one-machine demo (issue 65): node 1 killed, and its restart due when node 0 had already finished. Started,
+    # it would train alone from scratch and overwrite node 1's results; it is counted as not applied, with a warning.
+    from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
+
+    cluster = ReplicaGroupCluster(
+        nodes=2, procs_per_node=1, lighthouse=False, faults="kill:1@0.3,start:1@3", log_dir=tmp_path / "logs",
+        echo=False,
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        report = cluster.run([sys.executable, "-c", "import time; time.sleep(1.0)"], timeout_s=30)
+    assert [(r.node, r.killed) for r in report.runs] == [(0, False), (1, True)]  # no third run
+    assert report.faults_not_applied == 1 and "start:1@3" in report.not_applied[0]
+    assert "fault not applied" in caplog.text
+    saved = json.loads((tmp_path / "logs" / "emulation.json").read_text())
+    assert saved["faults_not_applied"] == 1 and saved["not_applied"] == report.not_applied

@@ -203,3 +203,22 @@ def test_a_non_finite_round_never_leaves_the_node():
     w[0][1] = float("nan")
     with pytest.raises(NonFiniteRoundError):
         rounds.after_step()  # the round's end: refused before its quorum
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("compression", ["int8", "int4"])
+def test_compressed_rounds_lose_nothing_count_nothing_twice_and_end_bitwise_equal(tmp_path, lighthouse, compression):
+    # Two groups of two ranks (each local rank its shard), no fault: every round has both groups contributing, so
+    # the global model after the final cut is exactly minus the mean of the groups' progress, whatever the codes
+    # dropped on the way (each group's residual went out with a later round, and the exact cut flushed the rest).
+    args = ["40", "4", "1", "-1", "0.02", "average", compression]
+    barrier = {"ELASTIC_JOB_BARRIER": f"{tmp_path}:4"}
+    groups = [Group(tmp_path, lighthouse, g, 2, args, env=barrier) for g in range(2)]
+    for g in groups:
+        assert g.wait(120) == [0, 0], "\n".join(x.logs() for x in groups)
+    results = [r for g in groups for r in g.load()]
+    expected = -sum(r["progress"] for r in results if r["rank"] == 0) / 2
+    finals = [r["final"]["w"] for r in results]
+    assert all(f == finals[0] for f in finals)  # bitwise, on every rank of every group
+    assert all(abs(v - expected) < 1e-3 * abs(expected) for v in finals[0]), (finals[0], expected)
+    assert abs(expected) > 50  # 40 steps of 1 and of 2: the codes carried real progress

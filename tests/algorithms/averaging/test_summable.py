@@ -1,0 +1,38 @@
+"""compress_summable: codes an all-reduce can add (the fault-tolerant strategies' compressed rounds), checked without
+processes: ``groups`` groups that hold the same tensor, so the all-reduce is a multiplication (SUM) or nothing (MAX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_syncasync.algorithms.averaging.elastic import LEVELS, compress_summable
+
+
+def _identical_groups(groups: int):
+    def all_reduce(t: torch.Tensor, op) -> None:
+        if op == dist.ReduceOp.SUM:
+            t.mul_(groups)
+
+    return all_reduce
+
+
+@pytest.mark.parametrize("method", sorted(LEVELS))
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8, 64])
+def test_the_packed_sum_decodes_to_the_groups_sum_within_half_a_step_each(method, groups):
+    levels = LEVELS[method]
+    x = torch.randn(3001, generator=torch.Generator().manual_seed(groups))
+    x[::256] = x.abs().max()  # a chunk's largest code in every field: the sum's headroom is used to the full
+    x[1::256] = -x.abs().max()
+    total, own, _ = compress_summable(x, levels, 256, groups, _identical_groups(groups))
+    step = x.abs().max() / levels
+    assert (own - x).abs().max() <= step / 2 + 1e-6
+    assert torch.allclose(total, groups * own, atol=1e-4)  # no carry crossed into a neighbouring field
+
+
+@pytest.mark.parametrize(("method", "groups", "most"), [("int8", 2, 0.30), ("int4", 2, 0.18), ("int8", 4, 0.34)])
+def test_bytes_on_the_wire_against_fp32(method, groups, most):
+    x = torch.randn(100_000)
+    _, _, nbytes = compress_summable(x, LEVELS[method], 256, groups, _identical_groups(groups))
+    assert nbytes <= most * x.numel() * 4, nbytes / (x.numel() * 4)
