@@ -31,6 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import broadcast_object
@@ -130,6 +131,13 @@ class PeerWatchdog(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         hb = self.heartbeat
         if hb is None:
+            return
+        if isinstance(exception, SIGTERMException):
+            # A stop on notice, not a lost peer: the pack's strategies agree the signal over the ranks that stop
+            # together, so they all raise it at the same step. Looking for a culprit here cost seconds (a few
+            # heartbeats, and two more on rank 0) before the strategy's own on_exception ran, in which a
+            # fault-tolerant node commits its last round: the other nodes' quorum waited for it (issue 65: 10.5 s).
+            hb.stop(finished=True)
             return
         # A killed peer closes its sockets at once, so the collective fails before its heartbeat looks silent:
         # wait a few heartbeats for the evidence (a PeerLostError of a strategy may only know the peer group).
