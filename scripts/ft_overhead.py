@@ -183,6 +183,8 @@ def main() -> int:
                 )
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
+                if args.out:  # as it goes: a run cut short keeps what it measured
+                    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "records": records}, indent=2))
                 if args.no_faults or contender in ("hier_sync", "async_ssp") or "_ft_" in contender:
                     continue
                 faults = f"kill:1@{0.3 * rec['wall_s']:.1f},start:1@{0.6 * rec['wall_s']:.1f}"

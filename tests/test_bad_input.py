@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_syncasync.train as train_app
 from lightning_syncasync.advise.__main__ import main as advise_main
-from lightning_syncasync.algorithms.averaging.elastic import advertised_host, choose_host
+from lightning_syncasync.algorithms.averaging.ft_host import advertised_host, choose_host
 from lightning_syncasync.algorithms.batching.balancer import BatchBalancer
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.costmodel import ScalingModel

@@ -30,6 +30,8 @@ report (when each node's job started and was killed) and the nodes' ``results.js
   samples/s) times the time its job was running, over the same wall time; ``goodput_frac`` = goodput / limit;
 * ``kill_to_commit_s``: from the kill to the survivors' next committed update (a committed round of a
   fault-tolerant strategy; the first step of the resumed survivors of a restarted job);
+* ``outage_samples_per_s`` / ``outage_frac``: the samples the survivors trained from the kill to the killed node's
+  next start, per second, and over the survivors' capacity (their nodes' no-communication rates);
 * ``start_to_commit_s``: from the (re)start of the node's job to the first committed update with every node in it
   (Python start-up, rendezvous or heal included); ``join_to_heal_s`` / ``join_to_commit_s``: a fault-tolerant
   joiner's own figures, from its first quorum (after its start-up) to its heal and to its first committed round;
@@ -208,7 +210,8 @@ def remeasure(path: Path) -> int:
         ]
         fresh = measure(Path(rec["run_dir"]), sc, bool(rec.get("quick")), rates, rec["elastic_launch"] == "torchft")
         for key in ("samples_useful", "samples_lost", "goodput_samples_per_s", "goodput_frac", "kill_to_commit_s",
-                    "start_to_commit_s", "rate_before_join", "rate_after_join"):  # fmt: skip
+                    "start_to_commit_s", "rate_before_join", "rate_after_join", "outage_samples_per_s",
+                    "outage_frac"):  # fmt: skip
             rec.pop(key, None)  # a figure the analysis no longer gives must not survive from the old one
         rec.update(fresh)
         ideal = rec.get("ideal_samples_per_s")
@@ -319,6 +322,14 @@ def analyse(
         k = kills[0]
         after = [c for c in commits if c[0] > k["end"] and c[1] != k["node"] and (not restarted or c[3] > k["end"])]
         out["kill_to_commit_s"] = min(after)[0] - k["end"] if after else None
+        # The outage: from the kill to the killed node's next start. What the survivors trained there, against the
+        # capacity they had (their nodes' no-communication rates): a fault-tolerant survivor should keep training
+        # at its own pace, a restarted job loses its restart and its rollback.
+        back = min((r["start"] for r in runs if r["node"] == k["node"] and r["start"] > k["end"]), default=t_end)
+        capacity = sum(node_rates[n] for n in range(nodes) if n != k["node"])
+        rate = _rate(segments, k["end"], back)
+        if rate is not None and capacity > 0:
+            out["outage_samples_per_s"], out["outage_frac"] = rate, rate / capacity
     # The (re)started node: its last run's start (a node restarted after a kill, or one that joined late).
     late = [r for r in runs if r["start"] > t0 or sum(1 for q in runs if q["node"] == r["node"]) > 1]
     late = [r for r in late if not r["killed"]]

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
-from lightning_syncasync.algorithms.averaging.elastic import FT_HOST_ENV
+from lightning_syncasync.algorithms.averaging.ft_host import FT_HOST_ENV
 from lightning_syncasync.emulate.cgroups import CpuShares, cgroup_cpu_root
 from lightning_syncasync.emulate.cluster import _tee, free_port
 from lightning_syncasync.emulate.network import EmulatedNetwork

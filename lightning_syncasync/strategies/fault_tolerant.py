@@ -53,7 +53,6 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_object, destroy_groups
 from lightning_syncasync.algorithms.averaging.elastic import (
     LIGHTHOUSE_ENV,
-    SUMMABLE,
     ElasticRounds,
     ElasticStats,
     QuorumError,
@@ -64,6 +63,7 @@ from lightning_syncasync.algorithms.averaging.elastic import (
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
+from lightning_syncasync.algorithms.compression.summable import SUMMABLE
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.strategies._checks import check_kwargs
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks

@@ -49,6 +49,10 @@ def test_a_restarted_job_keeps_only_what_each_restart_resumed_from():
     assert out["series"]["participants"][0] == (1.0, 2)
     assert out["rate_before_join"] == pytest.approx((1100 + 250) / 25)  # until node 1's job started again
     assert out["rate_after_join"] == pytest.approx(11 * 100 / (42.5 - 31))  # after the first step with both
+    # The outage, kill (10.5 s) to node 1's next start (25 s): run 1's last step and run 2's 5 steps, against
+    # node 0's capacity alone.
+    assert out["outage_samples_per_s"] == pytest.approx((100 + 250) / (25 - 10.5))
+    assert out["outage_frac"] == pytest.approx(out["outage_samples_per_s"] / 100.0)
 
 
 def test_fault_tolerant_nodes_count_what_entered_committed_rounds():
@@ -69,6 +73,7 @@ def test_fault_tolerant_nodes_count_what_entered_committed_rounds():
     assert out["samples_useful"] == 80 * (20 + 4 + 7)
     assert out["samples_lost"] == 80 * 2
     assert out["kill_to_commit_s"] == pytest.approx(8 - 6.5)  # node 0's next commit (step 8 at t=8)
+    assert out["outage_frac"] == pytest.approx(80 * 5 / (11 - 6.5) / 100.0)  # node 0's steps at 7-11 s
     assert out["start_to_commit_s"] == pytest.approx(14 - 11)  # the joiner's first commit with 2 nodes
     assert out["time_to_target_s"] is None and out["final_val_metric"] is None
 

@@ -54,7 +54,6 @@ server and gloo sockets; never the launcher's loopback ``MASTER_ADDR`` unless th
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 import os
 import socket
@@ -64,15 +63,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_, broadcast_object
 from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
+from lightning_syncasync.algorithms.averaging.ft_host import advertised_host
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
 from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
+from lightning_syncasync.algorithms.compression.summable import LEVELS, SUMMABLE, compress_summable
 from lightning_syncasync.algorithms.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,7 @@ __all__ = ["ElasticRounds", "ModelMismatchError", "QuorumError", "QuorumManager"
 _HEADER = 9
 _STOPPING = 7
 _COMPRESSED = 8  # groups that ask for a compressed body (every group present must, or the round is exact)
-# Levels each side of zero of the summable codecs (module docstring of compress_summable).
-LEVELS = {"int8": 127, "int4": 7}
-SUMMABLE = tuple(LEVELS)
+
 _HEAL_KEY = "syncasync_elastic"
 
 
@@ -214,7 +212,9 @@ class ElasticRounds:
         staleness: ``0`` synchronous rounds, ``1`` each round's exchange overlapped with the next round's steps.
         outer: the outer optimizer (default: plain averaging).
         dynamic: rounds of wall-clock length ``local_steps x`` the groups' mean step time (measured, exchanged in the
-            header), so a slow group takes fewer local steps and reaches the quorum with the others.
+            header), so a slow group takes fewer local steps and reaches the quorum with the others. Each round's
+            length becomes a step count when it starts (that time over the group's own step time), agreed inside
+            the group once per round.
         recorder: where bytes and wait time go.
         extra_state: ``(save, load)``: more state a joiner needs (the inner optimizer, schedulers, the loop's step).
         on_heal: called on the main thread after this group took a live peer's state and the round was applied, with
@@ -715,49 +715,6 @@ class ElasticRounds:
         return out
 
 
-def compress_summable(
-    x: torch.Tensor, levels: int, chunk_size: int, groups: int, all_reduce: Callable[[torch.Tensor, Any], None]
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The sum over ``groups`` of every group's ``x``, as codes an all-reduce can add: ``(sum, own, bytes sent)``,
-    ``own`` this group's decoded share (``x - own`` is what the codes dropped: the caller's residual).
-
-    Two all-reduces, both of which torchft's manager runs (it manages no other collective, so the pack's two-phase
-    layout, an all-to-all then an all-gather, cannot cross its groups): the chunks' largest magnitudes (``MAX``), so
-    every group quantises chunk ``c`` with the same step ``scale_c = max_g |x_g|_c / levels``; then the codes, each
-    shifted by ``levels`` to ``0 .. 2 * levels`` and packed into 64-bit words in fields of ``w`` bits, where ``w``
-    holds the sum of ``groups`` codes (``2 * groups * levels``): a ``SUM`` of the words adds every field without a
-    carry into the next (THC's headroom, Li et al. 2023). Integers add exactly in any order, so every group decodes
-    bitwise the same sum. 63 bits of a word are used (the sign bit never sees a carry).
-
-    On the wire per element, 2 groups: ``int8`` (127 levels, ``w`` 9, 7 fields a word) 9.1 bits plus 32 bits of
-    scale per chunk of 256, 29% of fp32; ``int4`` (7 levels, ``w`` 5, 12 a word) 5.3 bits plus scales, 17%. The
-    field grows with log2 of the groups: ``int8`` is 33% of fp32 on 3 and 4 groups."""
-    n = x.numel()
-    chunks = -(-n // chunk_size)
-    padded = torch.zeros(chunks * chunk_size, dtype=torch.float32)
-    padded[:n] = x.float()
-    rows = padded.view(chunks, chunk_size)
-    scale = rows.abs().amax(dim=1)
-    all_reduce(scale, dist.ReduceOp.MAX)
-    step = torch.where(scale > 0, scale / levels, torch.ones_like(scale))
-    codes = torch.round(rows / step[:, None]).clamp_(-levels, levels).to(torch.int64)
-    own = (codes.to(torch.float32) * step[:, None]).view(-1)[:n]
-    width = (2 * groups * levels).bit_length()
-    per = 63 // width
-    if per < 1:
-        raise ValueError(f"{groups} groups at {levels} levels need fields of {width} bits: more than a 64-bit word")
-    shifted = (codes.view(-1) + levels).contiguous()
-    words_n = -(-shifted.numel() // per)
-    fields = torch.zeros(words_n * per, dtype=torch.int64)
-    fields[: shifted.numel()] = shifted
-    shifts = torch.arange(per, dtype=torch.int64) * width
-    words = (fields.view(words_n, per) << shifts).sum(dim=1)
-    all_reduce(words, dist.ReduceOp.SUM)
-    summed = ((words[:, None] >> shifts) & ((1 << width) - 1)).view(-1)[: shifted.numel()] - groups * levels
-    total = (summed.view(chunks, chunk_size).to(torch.float32) * step[:, None]).view(-1)[:n]
-    return total, own, scale.numel() * scale.element_size() + words.numel() * words.element_size()
-
-
 def _agrees(header: torch.Tensor, numel: int, fingerprint: int) -> bool:
     """Whether every group present sent the same model size and fingerprint (sums over the groups)."""
     present = float(header[1])
@@ -766,90 +723,6 @@ def _agrees(header: torch.Tensor, numel: int, fingerprint: int) -> bool:
 
 FT_HINT = 'HINT: pip install "lightning-syncasync[ft]"'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-# The address the other nodes reach this node's store, manager, checkpoint server and exchange at (advertised_host).
-FT_HOST_ENV = "SYNCASYNC_FT_HOST"
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
-def choose_host(explicit: str | None, hostname: str, hostname_addresses: Sequence[str], route_address: str | None,
-                lighthouse_host: str) -> str:  # fmt: skip
-    """The address this node advertises to the others, from what the machine reports (:func:`advertised_host`).
-
-    In order: ``SYNCASYNC_FT_HOST``; else the first address of the hostname that is this machine's own and not a
-    loopback (a cluster's usual answer, and torchrun's); else the address this machine reaches the Lighthouse from
-    (the interface the other nodes' traffic arrives on: the right one when ``/etc/hosts`` maps the hostname to
-    127.0.0.1, as containers and network namespaces do). A loopback address is only ever advertised when the
-    Lighthouse itself is on loopback, i.e. every node is on this machine (``syncasync-train ft=2``).
-
-    Why not ``MASTER_ADDR``: ``torchrun --standalone`` (and Lightning's own launcher) set it to a loopback address,
-    which is right for the ranks inside the node and wrong for the other nodes: a node that advertised it sent the
-    others to their own localhost (issue 65)."""
-    remote = not _is_loopback(lighthouse_host)
-    if explicit:
-        if _is_loopback(explicit) and remote:
-            raise ValueError(
-                f"{FT_HOST_ENV}={explicit!r} is a loopback address, but the Lighthouse is at {lighthouse_host}: the "
-                f"other nodes cannot reach this node there. HINT: set {FT_HOST_ENV} to this node's address on the "
-                f"network the nodes share, or unset it (the address this node reaches the Lighthouse from is used)"
-            )
-        return explicit
-    for address in hostname_addresses:
-        if not _is_loopback(address):
-            return address
-    if route_address and not _is_loopback(route_address):
-        return route_address
-    if not remote:
-        return "127.0.0.1"
-    raise ValueError(
-        f"no address of this node that the other nodes can reach: the hostname {hostname!r} resolves only to "
-        f"loopback ({', '.join(hostname_addresses) or 'nothing'}), MASTER_ADDR is a launcher's loopback address, "
-        f"{FT_HOST_ENV} is unset, and the route to the Lighthouse at {lighthouse_host} leaves from "
-        f"{route_address or 'nowhere'}. HINT: export {FT_HOST_ENV}=<this node's address> on every node (and "
-        "GLOO_SOCKET_IFNAME=<its interface> for the ranks inside the node), or map the hostname to that address"
-    )
-
-
-def advertised_host(lighthouse: str) -> str:
-    """:func:`choose_host` from this machine's facts: ``SYNCASYNC_FT_HOST``, the hostname's addresses that can be
-    bound here (an ``/etc/hosts`` entry of another machine is not this node's), and the source address of the route
-    to the Lighthouse (a UDP ``connect``: no packet is sent)."""
-    parsed = urlparse(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
-    lh_host, lh_port = parsed.hostname or "", parsed.port or 29510
-    name = socket.gethostname()
-    own: list[str] = []
-    try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    except OSError:
-        infos = []
-    for family, _, _, _, sockaddr in infos:
-        address = str(sockaddr[0])
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.bind((address, 0))
-        except OSError:
-            continue
-        if address not in own:
-            own.append(address)
-    route = None
-    try:
-        family = socket.getaddrinfo(lh_host, lh_port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
-            probe.connect(family[4])
-            route = str(probe.getsockname()[0])
-    except OSError:
-        pass
-    lh_address = lh_host
-    try:
-        lh_address = socket.getaddrinfo(lh_host, None)[0][4][0]
-    except OSError:
-        pass
-    return choose_host(os.environ.get(FT_HOST_ENV), name, own, route, str(lh_address))
 
 
 def require_torchft(owner: str) -> Any:

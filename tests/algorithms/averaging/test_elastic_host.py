@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from lightning_syncasync.algorithms.averaging.elastic import advertised_host, choose_host
+from lightning_syncasync.algorithms.averaging.ft_host import advertised_host, choose_host
 
 
 @pytest.mark.parametrize(

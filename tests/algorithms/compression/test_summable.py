@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.averaging.elastic import LEVELS, compress_summable
+from lightning_syncasync.algorithms.compression.summable import LEVELS, compress_summable
 
 
 def _identical_groups(groups: int):
