@@ -219,8 +219,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def state_digest(module: Any) -> dict[str, str]:
-    """SHA-256 of the module's parameters and of its buffers (this rank's, at the end of fit), so that runs, ranks and
-    nodes can be checked to end with bitwise the same model (the fault-tolerant strategies' claim)."""
+    """SHA-256 of the module's parameters and of its buffers (this rank's, at the end of fit; its shard of a sharded
+    model), so that runs, ranks and nodes can be checked to end with bitwise the same model (the fault-tolerant
+    strategies' claim)."""
     import hashlib
 
     import torch
@@ -229,8 +230,9 @@ def state_digest(module: Any) -> dict[str, str]:
     for kind, named in (("parameters", module.named_parameters()), ("buffers", module.named_buffers())):
         h = hashlib.sha256()
         for name, tensor in named:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a sharded model: this rank's shard
             h.update(name.encode())
-            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         digests[kind] = h.hexdigest()
     return digests
 
