@@ -419,19 +419,21 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
-    def _cut(self, stop: bool = False) -> None:
+    def _cut(self, stop: bool = False, flush: bool = True) -> None:
         if self.rounds is None or not self._joined:
             return
         start = time.perf_counter()
         with self._named_errors():
-            self.rounds.cut(stop=stop)
+            self.rounds.cut(stop=stop, flush=flush)
         self.sync_stats.record_sync_point(time.perf_counter() - start)
 
     @override
     def on_validation_start(self) -> None:
         module = self.lightning_module
         if module is not None and module.trainer.state.fn == TrainerFn.FITTING:
-            self._cut()  # every node present validates the global model
+            # Every node present validates the global model. Compression residuals stay owed (the model is the same
+            # on every node with or without them): a validation costs no exact fp32 round.
+            self._cut(flush=False)
         super().on_validation_start()
 
     @override

@@ -342,7 +342,7 @@ class ElasticRounds:
             self._end_round()
         self._last_step_at = time.perf_counter()
 
-    def cut(self, stop: bool = False, leave: bool = False) -> None:
+    def cut(self, stop: bool = False, leave: bool = False, flush: bool = True) -> None:
         """A consistent cut: the round in flight committed or carried, then rounds with no new step until one
         commits; every group present then holds the anchor bitwise.
 
@@ -351,7 +351,12 @@ class ElasticRounds:
         group present at the end holds the same final model, also where the groups end their fit at different times
         (rounds of wall-clock length, ``dynamic``: a faster group runs out of data first; issue 65 found
         ``async_ssp_ft``'s nodes ending with different models); a group that stops waits for the others' last
-        round. ``leave`` (a preempted group): ``stop`` without that wait, after its own last round committed."""
+        round. ``leave`` (a preempted group): ``stop`` without that wait, after its own last round committed.
+
+        ``flush``: send this group's compression residual in an exact round, so that nothing is held back (the end
+        of fit, a checkpoint). Without it (a validation) the residual stays owed and the cut's round may be
+        compressed: every group holds the same model either way. A group with nothing owed asks for no exact round,
+        so a group waiting for the others' end of fit does not make their rounds exact."""
         start = time.perf_counter()
         deadline = start + self.cut_timeout_s
         stop = stop or leave
@@ -359,7 +364,8 @@ class ElasticRounds:
             self._commit_round(self._flight)
             self._flight = None
         while True:
-            if self._commit_round(self._launch(gate=True, stopping=stop, exact=True), replace=True):
+            exact = (flush or stop) and self._residual is not None
+            if self._commit_round(self._launch(gate=True, stopping=stop, exact=exact), replace=True):
                 header = self._last_header
                 if not stop or leave or int(round(float(header[_STOPPING]))) >= int(round(float(header[1]))):
                     break
