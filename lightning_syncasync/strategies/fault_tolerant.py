@@ -439,7 +439,9 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._replicas_merged:
-            self._cut()  # a checkpoint is the global model, nothing in flight
+            # A checkpoint is the global model, nothing in flight. Compression residuals stay owed and are not in it
+            # (each rank's own shard of one round's rounding): a job resumed from it starts with none, as a joiner.
+            self._cut(flush=False)
         return super().lightning_module_state_dict()
 
     def _merge_replicas(self) -> None:

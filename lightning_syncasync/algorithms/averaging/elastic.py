@@ -305,6 +305,7 @@ class ElasticRounds:
         self._step_ema: float | None = None
         self._last_step_at: float | None = None
         self._round_target = local_steps  # steps of the current round (_plan_round)
+        self._at_cut = False  # no step since the last consistent cut
         self._round_s: float | None = None  # dynamic: the agreed round length
         self._gated = False  # a round is being exchanged on the main thread (committed with no step in between)
         self._last_header = torch.zeros(_HEADER, dtype=torch.float64)  # the last round's, summed over the groups
@@ -318,7 +319,7 @@ class ElasticRounds:
         group at step 0 from the first one), and a group joining a running job heals from a live peer here. Every
         group of a new job calls it; a running job's groups see it as one of their rounds."""
         self.stats.joined_at = time.time()
-        self._commit_round(self._launch(gate=True, exact=True))
+        self._commit_round(self._launch(gate=True))  # nothing owed yet: it need not make the others' round exact
         if self.staleness == 1:
             # The groups already running launched their next round as they committed this one: launch it too (with
             # nothing in it), so this group's rounds end with theirs.
@@ -338,6 +339,7 @@ class ElasticRounds:
             self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
         self._steps += 1
         self._samples += samples
+        self._at_cut = False
         if self._steps >= self._round_target:
             self._end_round()
         self._last_step_at = time.perf_counter()
@@ -360,6 +362,8 @@ class ElasticRounds:
         start = time.perf_counter()
         deadline = start + self.cut_timeout_s
         stop = stop or leave
+        if self._at_cut and not stop and not (flush and self._residual is not None):
+            return  # no step since the last cut (a checkpoint right after a validation): already there
         if self._flight is not None:
             self._commit_round(self._flight)
             self._flight = None
@@ -378,6 +382,7 @@ class ElasticRounds:
         self._steps = self._samples = 0
         self._plan_round()
         self._last_step_at = None
+        self._at_cut = True
         if stop:
             self.close()
         self.stats.wait_s += time.perf_counter() - start
