@@ -308,7 +308,7 @@ class ElasticRounds:
         self._at_cut = False  # no step since the last consistent cut
         self._round_s: float | None = None  # dynamic: the agreed round length
         self._gated = False  # a round is being exchanged on the main thread (committed with no step in between)
-        self._last_header = torch.zeros(_HEADER, dtype=torch.float64)  # the last round's, summed over the groups
+        self._last_header = torch.zeros(_HEADER, dtype=torch.float64, device="cpu")  # the last round's, summed
         self.last_participants = 0
         manager.register_state_dict_fn(_HEAL_KEY, self._load_heal, self._heal_state)
 

@@ -39,7 +39,7 @@ def compress_summable(
     field grows with log2 of the groups: ``int8`` is 33% of fp32 on 3 and 4 groups."""
     n = x.numel()
     chunks = -(-n // chunk_size)
-    padded = torch.zeros(chunks * chunk_size, dtype=torch.float32)
+    padded = torch.zeros(chunks * chunk_size, dtype=torch.float32, device=x.device)
     padded[:n] = x.float()
     rows = padded.view(chunks, chunk_size)
     scale = rows.abs().amax(dim=1)
@@ -53,9 +53,9 @@ def compress_summable(
         raise ValueError(f"{groups} groups at {levels} levels need fields of {width} bits: more than a 64-bit word")
     shifted = (codes.view(-1) + levels).contiguous()
     words_n = -(-shifted.numel() // per)
-    fields = torch.zeros(words_n * per, dtype=torch.int64)
+    fields = torch.zeros(words_n * per, dtype=torch.int64, device=x.device)
     fields[: shifted.numel()] = shifted
-    shifts = torch.arange(per, dtype=torch.int64) * width
+    shifts = torch.arange(per, dtype=torch.int64, device=x.device) * width
     words = (fields.view(words_n, per) << shifts).sum(dim=1)
     all_reduce(words, dist.ReduceOp.SUM)
     summed = ((words[:, None] >> shifts) & ((1 << width) - 1)).view(-1)[: shifted.numel()] - groups * levels
