@@ -264,6 +264,52 @@ class NaNInAsyncModel(TinyLoggingModel):
         return loss
 
 
+class PacedModel(TinyModel):
+    """TinyModel whose step computes for ``step_s`` seconds per 16 samples (a sleep in proportion to the batch, as
+    real compute is), ``slow`` times that on ``slow_rank``: compute times that transient pauses (the emulator's
+    jitter, a multiple of the step) can be read against."""
+
+    def __init__(self, step_s: float = 0.015, slow_rank: int | None = None, slow: float = 1.0) -> None:
+        super().__init__()
+        self.step_s, self.slow_rank, self.slow = step_s, slow_rank, slow
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        per_16 = self.step_s * (self.slow if self.global_rank == self.slow_rank else 1.0)
+        time.sleep(per_16 * len(batch[0]) / 16)
+        return super().training_step(batch, batch_idx)
+
+
+class LrBlowUpModel(TinyModel):
+    """TinyModel that trains to a low loss, with ``slow_rank`` sleeping ``delay`` seconds per step (so the switcher
+    goes async), then multiplies its learning rate by ``factor`` once, after ``after`` steps in async mode: a real
+    divergence, whose loss stays finite for a while. A rollback restores the optimizer's state, learning rate
+    included."""
+
+    def __init__(self, slow_rank: int = 1, delay: float = 0.05, after: int = 4, factor: float = 100.0) -> None:
+        super().__init__()
+        self.slow_rank, self.delay, self.after, self.factor = slow_rank, delay, after, factor
+        self.async_steps = 0
+        self.blown_at: int | None = None
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        if self.global_rank == self.slow_rank:
+            time.sleep(self.delay)
+        if getattr(self.trainer.strategy, "mode", "") == "async":
+            self.async_steps += 1
+            if self.async_steps == self.after and self.blown_at is None:
+                self.blown_at = self.global_step
+                for group in self.trainer.optimizers[0].param_groups:
+                    group["lr"] *= self.factor
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
 class ValidationProbeModel(TinyModel):
     """TinyModel that validates on a few batches and remembers the weights each validation saw (``seen``)."""
 

@@ -61,6 +61,7 @@ DEFAULT_SHARE = [
 ]
 
 
+@pytest.mark.slow  # 35 s; the GPU tests themselves run on a real GPU (scripts/gpu_check.sh), CI's suite < 15 min
 @pytest.mark.timeout(300)
 def test_the_default_share_of_the_gpu_tests_passes_on_the_emulated_accelerator(tmp_path):
     # Its ranks are forked from a preloaded server (tests/_forked.py).

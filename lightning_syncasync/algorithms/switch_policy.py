@@ -10,9 +10,13 @@ to synchronous training when the loss misbehaves.
 
 Signals, each computed from every rank's window of steps (so every rank computes the same decision):
 
-* communication fraction: the *smallest* per-rank share of step time spent blocked on communication. The slowest
-  rank never waits for a straggler, so its wait is the network's cost alone; the others' wait also holds the time
-  they waited for it. High on a slow inter-node link -> ``hier``.
+* communication fraction: the share of step time the *last rank to arrive* spent blocked on communication, step by
+  step: in each step the rank that computed longest waited for no peer, so its wait is the network's cost alone;
+  the others' wait also holds the time they waited for it. High on a slow inter-node link -> ``hier``. Read per
+  step, not per window: under transient pauses the rank that pauses changes from step to step, every rank's
+  window mean holds the others' pauses, and the smallest of them read 45-47% on a 100 Mbit/s link whose own cost was
+  far less (``jitter_slow_link``), which chose ``hier`` where ``async_ssp`` was 1.23x sooner. Windows without the
+  per-step numbers fall back to the smallest per-rank share.
 * straggler ratio: max over median of the per-rank mean compute time *per sample*. Per sample, because batch
   rebalancing equalises compute time per step while the slow rank stays slow per sample. Persistent -> stay
   ``sync`` and let :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` rebalance (when it runs; measured
@@ -20,10 +24,14 @@ Signals, each computed from every rank's window of steps (so every rank computes
 * jitter: the median over ranks of the coefficient of variation of per-step compute time per sample. Transient
   pauses make every rank's own step times vary while their means stay equal; a synchronous step waits for the
   worst rank of each step, an SSP step absorbs up to ``staleness`` steps of it -> ``async``.
-* divergence: a non-finite loss on any rank, or a window loss of ``hier`` or ``async`` above ``spike_factor`` times
-  the median of the recent healthy windows (a rise of ``spike_factor - 1`` times its size, so a negative loss works
-  too) -> back to ``sync``, restore the last good state, and keep the mode that diverged off for
-  ``cooldown_windows`` windows.
+* divergence: a non-finite loss on any rank, or a window loss of ``hier`` or ``async`` that rose above the median
+  of the recent healthy windows by more than each of: ``spike_factor - 1`` times that median's size (a ratio; a
+  negative loss works too), ``spike_spread`` robust spreads of those windows (1.4826 x their median absolute
+  deviation), and ``spike_floor`` times the size of the run's first window loss -> back to ``sync``, restore the last
+  good state, and keep the mode that diverged off for ``cooldown_windows`` windows. The ratio alone tripped on noise
+  near zero: a 10-step window's mean loss late in training is a few misclassified samples, and it doubled and more
+  from one window to the next (committed records: 0.1006 against a median of 0.01438 in async mode, 0.04793 against
+  0.02358 in hier; 6 rollbacks in one run). The floor scales with the run's own loss, so it needs no unit.
 
 Torch-free: the callback gathers the numbers; this module only decides.
 """
@@ -38,6 +46,7 @@ if TYPE_CHECKING:
     from lightning_syncasync.algorithms.stats import StatsRecorder
 
 MODES = ("sync", "hier", "async")
+_RECENT = 10  # healthy windows kept as the spike reference (their median and spread)
 
 
 class ModeUnavailableError(ValueError):
@@ -75,6 +84,8 @@ class WindowStats:
         samples_per_s: global throughput over the window.
         loss: the mean training loss over ranks and steps (``nan`` when no rank reported one).
         nonfinite: some rank saw a non-finite loss in the window.
+        link_frac: over the window's steps, the wait of each step's longest-computing rank over its step time
+            (``None``: not measured; ``comm_frac`` then reads the smallest ``wait_frac``).
     """
 
     step: int
@@ -84,6 +95,7 @@ class WindowStats:
     samples_per_s: float
     loss: float
     nonfinite: bool = False
+    link_frac: float | None = None
 
     @property
     def straggler_ratio(self) -> float:
@@ -96,7 +108,7 @@ class WindowStats:
 
     @property
     def comm_frac(self) -> float:
-        return min(self.wait_frac)
+        return self.link_frac if self.link_frac is not None else min(self.wait_frac)
 
     def describe(self) -> str:
         return (
@@ -127,7 +139,11 @@ class SwitchPolicy:
         jitter_high, jitter_low: jitter to enter / to stay in the jitter regime (``async``).
         rebalance: batch rebalancing (``AdaptiveBatchSize``) is running: a persistent straggler stays ``sync``.
         spike_factor: a window loss of ``hier`` or ``async`` above this times the median of the recent healthy
-            windows is divergence (> 1).
+            windows is divergence (> 1), if it also clears the two bounds below.
+        spike_spread: ... and rose more than this many robust spreads (1.4826 x the median absolute deviation) of
+            the recent healthy windows (>= 0; needs 3 windows).
+        spike_floor: ... and rose more than this fraction of the size of the run's first window loss (>= 0): at
+            0.1 a classifier starting at 2.3 must rise by 0.23, which noise near zero never did and a blow-up does.
         cooldown_windows: windows a mode that diverged stays off.
 
     Example::
@@ -149,6 +165,8 @@ class SwitchPolicy:
         rebalance: bool = True,
         spike_factor: float = 2.0,
         cooldown_windows: int = 10,
+        spike_spread: float = 4.0,
+        spike_floor: float = 0.1,
     ) -> None:
         unknown = [m for m in available if m not in MODES]
         if unknown or "sync" not in available:
@@ -176,6 +194,16 @@ class SwitchPolicy:
             )
         if spike_factor <= 1:
             raise ValueError(f"spike_factor must be > 1, got {spike_factor}; HINT: 2.0 flags a doubled loss")
+        if not spike_spread >= 0:
+            raise ValueError(
+                f"spike_spread must be >= 0, got {spike_spread}; HINT: 4.0 ignores a rise within 4 robust spreads "
+                "of the recent windows, 0 turns that bound off"
+            )
+        if not spike_floor >= 0:
+            raise ValueError(
+                f"spike_floor must be >= 0, got {spike_floor}; HINT: 0.1 ignores a rise under 10% of the first "
+                "window's loss, 0 turns that bound off"
+            )
         if cooldown_windows < 0:
             raise ValueError(
                 f"cooldown_windows must be >= 0, got {cooldown_windows}; HINT: 0 lets a diverged mode be chosen again "
@@ -189,7 +217,10 @@ class SwitchPolicy:
         self.jitter_high, self.jitter_low = jitter_high, jitter_low
         self.rebalance = rebalance
         self.spike_factor = spike_factor
+        self.spike_spread = spike_spread
+        self.spike_floor = spike_floor
         self.cooldown_windows = cooldown_windows
+        self.first_loss: float | None = None  # the run's first window loss: the scale of spike_floor
         self.windows_in_mode = dwell_windows  # the starting mode was not a switch: the first window may switch
         self.recent_losses: list[float] = []  # healthy windows, newest last
         self.banned: dict[str, int] = {}  # mode -> windows left
@@ -203,28 +234,22 @@ class SwitchPolicy:
         # The median of the recent healthy windows, not their best: late in training a window's mean loss is small
         # and noisy, and against the best one a noisy window read as a spike (jitter_long, auto_sync in async mode:
         # 0.061 > 2 x 0.029).
-        base = median(self.recent_losses) if self.recent_losses else None
-        # A rise of (spike_factor - 1) times the base's size above it: spike_factor x base for a positive loss, and
-        # still a rise for a negative one (a log-likelihood), where `loss > spike_factor * base` held for every
-        # loss that kept falling below zero (-31 > 2 x -18.5), rolled back every window and lost the updates.
-        limit = None if base is None else base + (self.spike_factor - 1) * abs(base)
+        limit, why = self._spike_limit()
         # A spike is what staleness or drift can cause: only a window of hier or async is rolled back for one. A
         # synchronous window is DDP's own trajectory (rolling it back replays it), and after a rollback the
         # restored state's loss, above the limit of the windows before it, rolled back window after window.
         spiked = mode != "sync" and limit is not None and window.loss == window.loss and window.loss > limit
         if window.nonfinite or spiked:
-            what = (
-                "a non-finite loss"
-                if window.nonfinite
-                else f"loss {window.loss:.4g} > {limit:.4g} ({self.spike_factor:g} x the median recent {base:.4g})"
-            )
+            what = "a non-finite loss" if window.nonfinite else f"loss {window.loss:.4g} > {limit:.4g} ({why})"
             if mode != "sync" and self.cooldown_windows:
                 self.banned[mode] = self.cooldown_windows
             self.windows_in_mode = 0
             self.recent_losses = []  # the restored state's windows are the new reference
             return Decision("sync", f"divergence ({what}) in {mode}: restore the last good state, synchronous", True)
         if window.loss == window.loss:  # not NaN: a window with a loss
-            self.recent_losses = [*self.recent_losses, window.loss][-5:]
+            self.recent_losses = [*self.recent_losses, window.loss][-_RECENT:]
+            if self.first_loss is None:
+                self.first_loss = window.loss
         if self.windows_in_mode < self.dwell_windows:
             return Decision(mode, f"dwell ({self.windows_in_mode}/{self.dwell_windows} windows in {mode})")
         want, why = self._want(window, mode)
@@ -238,9 +263,31 @@ class SwitchPolicy:
             self.windows_in_mode = 0
         return Decision(want, why)
 
+    def _spike_limit(self) -> tuple[float | None, str]:
+        """The loss above which a window is a spike, and the bound that set it (``None`` before any window)."""
+        if not self.recent_losses:
+            return None, ""
+        base = median(self.recent_losses)
+        # A rise of (spike_factor - 1) times the base's size above it: spike_factor x base for a positive loss, and
+        # still a rise for a negative one (a log-likelihood), where `loss > spike_factor * base` held for every
+        # loss that kept falling below zero (-31 > 2 x -18.5), rolled back every window and lost the updates.
+        rises = [((self.spike_factor - 1) * abs(base), f"{self.spike_factor:g} x the median recent {base:.4g}")]
+        if len(self.recent_losses) >= 3 and self.spike_spread > 0:
+            spread = 1.4826 * median(abs(x - base) for x in self.recent_losses)
+            why = f"median recent {base:.4g} + {self.spike_spread:g} robust spreads of {spread:.3g}"
+            rises.append((self.spike_spread * spread, why))
+        if self.first_loss is not None and self.spike_floor > 0:
+            why = f"median recent {base:.4g} + {self.spike_floor:g} x the first window's {self.first_loss:.4g}"
+            rises.append((self.spike_floor * abs(self.first_loss), why))
+        rise, why = max(rises, key=lambda r: r[0])
+        return base + rise, why
+
     def _want(self, w: WindowStats, mode: str) -> tuple[str, str]:
         if "hier" in self.available and mode == "hier":
-            # In hier the flat all-reduce's cost cannot be observed; the link does not get faster by itself.
+            # In hier the flat all-reduce's cost cannot be observed: the link is taken as still slow. Pauses are
+            # observed, and async's rounds cross the slow link as hier's do, so pauses still reach async.
+            if "async" in self.available and w.jitter >= self.jitter_high:
+                return "async", f"jitter {w.jitter:.2f} >= {self.jitter_high:g} on the slow link: asynchronous (SSP)"
             return "hier", "slow inter-node link (measured before switching): stay hierarchical"
         if "hier" in self.available and w.comm_frac >= self.comm_high:
             return "hier", f"communication {w.comm_frac:.0%} >= {self.comm_high:.0%} of the step: hierarchical sync"
@@ -261,9 +308,11 @@ class SwitchPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         return {"windows_in_mode": self.windows_in_mode, "recent_losses": list(self.recent_losses),
-                "banned": dict(self.banned)}  # fmt: skip
+                "banned": dict(self.banned), "first_loss": self.first_loss}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.windows_in_mode = int(state["windows_in_mode"])
         self.recent_losses = [float(x) for x in state["recent_losses"]]
         self.banned = {str(k): int(v) for k, v in state["banned"].items()}
+        first = state.get("first_loss")  # absent from checkpoints of before the floor: the next window sets it
+        self.first_loss = None if first is None else float(first)

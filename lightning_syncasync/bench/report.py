@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_syncasync._cores import usable_cores
 from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_geomean, budget_share
+from lightning_syncasync.bench.phases import changing, phase_table, plot_phases
 from lightning_syncasync.bench.runner import median_or_none
 from lightning_syncasync.bench.scenarios import lookup
 
@@ -122,6 +123,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             lines += ["", *ranking_lines(name, [r for s in by_strategy.values() for r in s["runs"]])]
         if sc is not None and sc.elastic:
             lines += ["", *elastic_table(by_strategy), "", f"![{name} against time](elastic_{name}.png)"]
+        if sc is not None and changing(sc):
+            lines += ["", *phase_table(sc, by_strategy), f"![{name} by phase](phases_{name}.png)"]
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)
         if sc is not None and sc.elastic:
             lines += ["", *elastic_answers(name, table)]
@@ -617,6 +620,8 @@ def write_plots(out_dir: Path, records: list[dict[str, Any]]) -> list[Path]:
         found = lookup(sc_name)
         if found is not None and found.elastic:
             plot_elastic(out_dir, sc_name, table[sc_name], plt)
+        if found is not None and changing(found):
+            plot_phases(out_dir, sc_name, table[sc_name], plt)
 
     fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
     for ax, sc in zip(axes[0], scenarios, strict=True):

@@ -35,7 +35,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_syncasync.bench.evidence import tta_curve
+from lightning_syncasync.bench.phases import TIMELINE_FILE, boundaries, changing, phase_series
 from lightning_syncasync.bench.scenarios import SCENARIOS, Scenario
+from lightning_syncasync.callbacks._timeline import ENV_TIMELINE, read_timeline
 from lightning_syncasync.emulate.cluster import EmulatedCluster
 
 log = logging.getLogger(__name__)
@@ -331,6 +333,7 @@ class BenchRunner:
             seed=self.seed,
             netns=netns,
             independent=independent,
+            link_schedule=scenario.link_schedule if netns and not independent else "",
             log_dir=log_dir,
             echo_rank0=False,
         )
@@ -351,9 +354,12 @@ class BenchRunner:
         overrides = [*self._contender_overrides(scenario, contender, rep), f"hydra.run.dir={run_dir}"]
         log.info("[%s] %s rep %d", scenario.name, contender.name, rep)
         start = time.monotonic()
-        report = self._cluster(scenario, run_dir / "logs", independent=False).run(
-            self._train_cmd(overrides), timeout_s=self.run_timeout_s
-        )
+        cluster = self._cluster(scenario, run_dir / "logs", independent=False)
+        timeline = run_dir / TIMELINE_FILE
+        if changing(scenario):
+            timeline.unlink(missing_ok=True)
+            cluster.env[ENV_TIMELINE] = str(timeline)  # global rank 0's steps: the phases' throughput and plot
+        report = cluster.run(self._train_cmd(overrides), timeout_s=self.run_timeout_s)
         wall = time.monotonic() - start
         record: dict[str, Any] = {
             "scenario": scenario.name,
@@ -424,6 +430,10 @@ class BenchRunner:
         # The time-to-accuracy curve (training seconds when each level of a fixed grid was first reached): what
         # a ranking to a target chosen after the runs reads (bench.evidence), kept beside the history it comes from.
         record["tta_curve"] = tta_curve(record)
+        if changing(scenario):
+            record["series"] = phase_series(read_timeline(timeline), record["events"], record["steps"],
+                                            boundaries(scenario), scenario.metric)  # fmt: skip
+            record["link_changes"] = report.link_changes
         return record
 
     def _run_ideal(self, scenario: Scenario, rep: int) -> dict[str, Any]:

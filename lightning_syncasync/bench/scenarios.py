@@ -84,7 +84,8 @@ class Scenario:
         nodes, procs_per_node: the emulated cluster.
         link_mbit: inter-node link rate, ``None`` for no limit.
         stragglers: ``{rank: factor}`` persistent slowdowns (CPU shares).
-        jitter: ``"PROB:FACTOR"`` transient pauses.
+        jitter: ``"PROB:FACTOR[@START-END]"`` transient pauses.
+        link_schedule: ``"MBIT@START-END"`` the link's rate in windows of the planned steps (``link_mbit`` outside).
         schedule: ``"RANK:FACTOR@START-END"`` windowed slowdowns.
         overrides: Hydra overrides of ``syncasync-train`` that fix the workload.
         steps, quick_steps: optimizer steps per rank (the sample budget is steps x global batch).
@@ -117,6 +118,7 @@ class Scenario:
     stragglers: dict[int, float] = field(default_factory=dict)
     jitter: str = ""
     schedule: str = ""
+    link_schedule: str = ""
     netns: bool = True
     mirrors: str = ""
     ideal_s: float = 40.0
@@ -331,6 +333,17 @@ SCENARIOS: dict[str, Scenario] = {
             nodes=2, procs_per_node=2, link_mbit=100.0, jitter=_PAUSES, overrides=_MNIST, steps=_MNIST_STEPS,
             quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET, quick_target=_MNIST_QUICK_TARGET,
             mirrors=_JITTER_LINK_MIRRORS,
+        ),
+        Scenario(
+            name="changing_conditions",
+            description="2 nodes x 2 ranks, MNIST-5k convnet: a 1 Gbit/s link and equal ranks for the first third of "
+            "the steps; the link at 10 Mbit/s for the second (another job's traffic on it); back to 1 Gbit/s for the "
+            "last, where each step each rank pauses 4x its compute with p=0.1 (noisy neighbours)",
+            nodes=2, procs_per_node=2, link_mbit=1000.0, link_schedule="10@0.333-0.667", jitter=f"{_PAUSES}@0.667-1",
+            overrides=_MNIST, steps=_MNIST_STEPS, quick_steps=_MNIST_QUICK_STEPS, target=_MNIST_TARGET,
+            quick_target=_MNIST_QUICK_TARGET,
+            mirrors="a shared cluster whose conditions change during a job: no single fixed strategy is right all "
+            "the way through",
         ),
         Scenario(
             name="link_bound",

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,11 @@ class AdaptiveBatchSize(Callback):
             each window alone). Per-sample throughput hardly depends on the batch size, so estimates carry over
             across rebalances; smoothing keeps step-to-step noise from moving samples back and forth.
         warmup_steps: batches at the start of fit not measured (one-off start-up costs).
+        persistence: windows in a row whose measurements must each call for moving samples the same way (the same
+            ranks gaining, the same losing) before a split is adopted (>= 1). A rank's speed in a window is its
+            median step (compute per sample), which a transient pause does not move; and a rank slow in one window
+            only is not rebalanced. Under transient pauses (``jitter_slow_link``) the window means chased whichever
+            rank paused last: 23-26 rebalances a run, splits such as [41, 39, 51, 29].
         loss_reduction: ``"mean"`` if the loss is averaged over the batch (torch's default), ``"sum"`` if summed.
         seed: permutation seed; default the seed of the sampler Lightning injected (0).
         grow_batch: (off by default) grow the global batch during training toward the measured gradient noise scale
@@ -106,6 +112,7 @@ class AdaptiveBatchSize(Callback):
         hysteresis: float = 0.05,
         smoothing: float = 0.5,
         warmup_steps: int = 3,
+        persistence: int = 2,
         loss_reduction: str = "mean",
         seed: int | None = None,
         grow_batch: bool = False,
@@ -141,6 +148,11 @@ class AdaptiveBatchSize(Callback):
             )
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; HINT: 0 measures from the first batch")
+        if persistence < 1:
+            raise ValueError(
+                f"persistence must be >= 1 (windows in a row that call for the same move), got {persistence}; HINT: "
+                "2 ignores a rank slow in one window only, 1 adopts a split from one window"
+            )
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}; HINT: 'mean' for a loss "
@@ -164,6 +176,7 @@ class AdaptiveBatchSize(Callback):
         self.hysteresis = hysteresis
         self.smoothing = smoothing
         self.warmup_steps = warmup_steps
+        self.persistence = persistence
         self.loss_reduction = loss_reduction
         self.seed = seed
         self.grow_batch = grow_batch
@@ -186,7 +199,8 @@ class AdaptiveBatchSize(Callback):
         self._batch_size = 0
         self._last_seen: StepStats | None = None
         self._samples = 0.0
-        self._compute_s = 0.0
+        self._per_sample: list[float] = []  # this window's steps: compute seconds per sample of each
+        self._streak: tuple[tuple[int, ...], int] | None = None  # (the move called for, windows in a row)
         self._throughput: list[float] | None = None
         self._pending: PendingRows | None = None  # the window gathered in the background (asynchronous strategies)
         self._prefetch_bound = 2
@@ -332,7 +346,9 @@ class AdaptiveBatchSize(Callback):
         self._recorder = stats_recorder(trainer)
         self._batches = 0
         self._last_seen = None
-        self._samples = self._compute_s = 0.0
+        self._samples = 0.0
+        self._per_sample = []
+        self._streak = None
         self._throughput = None
         self._pending = None
 
@@ -382,7 +398,8 @@ class AdaptiveBatchSize(Callback):
             self._last_seen = last
             if self._batches > self.warmup_steps:
                 self._samples += last.samples
-                self._compute_s += last.compute_s
+                if last.samples > 0:
+                    self._per_sample.append(last.compute_s / last.samples)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -424,8 +441,12 @@ class AdaptiveBatchSize(Callback):
         window = [probe.grad_sq_sum, probe.trace_sum, float(probe.count)] if probe is not None else [0.0, 0.0, 0.0]
         if probe is not None:
             probe.reset_window()
-        values = [self._samples, self._compute_s, float(self.sampler.produced), *window]
-        self._samples = self._compute_s = 0.0
+        # The window's samples, and their compute at its median step's pace: a rank's speed without its transient
+        # pauses (r[0] / r[1] is samples per second of compute at that pace).
+        median_s = statistics.median(self._per_sample) if self._per_sample else 0.0
+        values = [self._samples, self._samples * median_s, float(self.sampler.produced), *window]
+        self._samples = 0.0
+        self._per_sample = []
         # Every gather launched is read, in launch order, whatever the strategy does now.
         pending, self._pending = self._pending, None
         earlier = pending.rows() if pending is not None else None
@@ -433,7 +454,8 @@ class AdaptiveBatchSize(Callback):
             self._rebalance_async(trainer, values, earlier)
             return
         rows = gather_rows(trainer, values)
-        throughput = self._smoothed([r[0] / r[1] if r[1] > 0 else 0.0 for r in rows])
+        measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in rows]
+        throughput = self._smoothed(measured)
         current = self.sampler.sizes
         decision: list[int] | None = None
         grown = False
@@ -447,7 +469,7 @@ class AdaptiveBatchSize(Callback):
                     self.balancer = self._balancer_for(new_batch)
                     decision, grown = self.balancer.propose(throughput), True
             if decision is None:
-                decision = self.balancer.decide(current, throughput)
+                decision = self._persistent(current, measured, throughput)
         # One decision for everyone: floating-point differences between ranks can never split the job.
         decision, grown, gain = self._broadcast_decision(trainer, pl_module, decision, grown)
         if probe is not None:
@@ -474,11 +496,33 @@ class AdaptiveBatchSize(Callback):
         self._pending = PendingRows(trainer, [*values, horizon])
         if earlier is None:
             return  # the first window without a gather to wait at: decide at the next one
-        throughput = self._smoothed([r[0] / r[1] if r[1] > 0 else 0.0 for r in earlier])
+        measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in earlier]
+        throughput = self._smoothed(measured)
         current = self.sampler.sizes
-        decision = self.balancer.decide(current, throughput)
+        decision = self._persistent(current, measured, throughput)
         if decision is not None:
             self._schedule(trainer, current, decision, throughput, int(max(r[-1] for r in earlier)), False)
+
+    def _persistent(self, current: list[int], measured: list[float], smoothed: list[float]) -> list[int] | None:
+        """The split the smoothed throughput calls for, once the raw measurements of ``persistence`` windows in a row
+        have each called for the same move (which ranks gain samples, which lose them), else ``None``. Each window's
+        own numbers, not the smoothed ones: smoothing carries one noisy window into the next, and two windows would
+        then agree on its noise. Pure arithmetic on the gathered numbers: every rank that decides keeps the same
+        streak."""
+        assert self.balancer is not None
+        raw = self.balancer.decide(current, measured)
+        move = None if raw is None else tuple((b > a) - (b < a) for a, b in zip(current, raw, strict=True))
+        if move is None or self._streak is None or self._streak[0] != move:
+            self._streak = None if move is None else (move, 1)
+        else:
+            self._streak = (move, self._streak[1] + 1)
+        if self._streak is None or self._streak[1] < self.persistence:
+            return None
+        proposal = self.balancer.decide(current, smoothed)
+        if proposal is None:
+            return None
+        self._streak = None  # the split moves: the next move is measured from it
+        return proposal
 
     def _smoothed(self, measured: list[float]) -> list[float]:
         previous = self._throughput
@@ -509,10 +553,13 @@ class AdaptiveBatchSize(Callback):
             "previous": current,
             "throughput": [round(t, 2) for t in throughput],
             # Samples per second of the new split over the current one (a grown batch also moves more per step).
-            "predicted_speedup": BatchBalancer.step_time(current, throughput)
-            / BatchBalancer.step_time(decision, throughput)
-            * sum(decision)
-            / sum(current),
+            "predicted_speedup": round(
+                BatchBalancer.step_time(current, throughput)
+                / BatchBalancer.step_time(decision, throughput)
+                * sum(decision)
+                / sum(current),
+                4,
+            ),
         }
         if grown:
             event.update(global_batch=sum(decision), noise_scale=self.noise.noise_scale, adascale_gain=gain)

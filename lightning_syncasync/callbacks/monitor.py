@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_syncasync.algorithms._comm import destroy_groups
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.streams import wait_for_current_stream
+from lightning_syncasync.callbacks._events import event_lines
 from lightning_syncasync.callbacks._stats_source import gather_rows, stats_recorder
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks._timeline import Timeline
@@ -383,7 +384,7 @@ class SyncMonitor(Callback):
         bar = trainer.progress_bar_callback
         if isinstance(bar, RichProgressBar):
             bar.teardown(trainer, pl_module, "fit")
-        _print_summary(self.summary)
+        _print_summary(self.summary, self.summary_file)
 
     def _synchronize(self, pl_module: pl.LightningModule) -> None:
         """On a GPU, wait for the step's queued work, so the clock read next is the step's end (``cuda_sync``).
@@ -625,7 +626,7 @@ def _summarise(gathered: torch.Tensor, trainer: pl.Trainer, mode: str) -> dict[s
 
 
 @rank_zero_only
-def _print_summary(summary: dict[str, Any]) -> None:
+def _print_summary(summary: dict[str, Any], summary_file: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -666,7 +667,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     # A log file or CI console is not a terminal: give the table room instead of rich's 80-column default.
     console = Console(width=None if sys.stdout.isatty() else 132)
     console.print(table)
-    # Policies' decisions (mode switches, rollbacks, batch rebalances), with their reasons.
-    for e in summary.get("events", []):
-        detail = "; ".join(f"{k}={v}" for k, v in e.items() if k not in ("kind", "step", "train_s"))
-        console.print(f"step {e['step']} ({e.get('train_s', 0.0):.1f} s): {e['kind']}: {detail}", markup=False)
+    # Policies' decisions (mode switches, rollbacks, batch rebalances): counts, every switch with its reason, the
+    # last split; the full log is the summary's "events" (callbacks/_events.py).
+    for line in event_lines(summary.get("events", []), width=console.width or 132, where=summary_file):
+        console.print(line, markup=False, overflow="ignore", crop=False)

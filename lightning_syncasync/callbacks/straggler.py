@@ -6,7 +6,15 @@ Three kinds of slowness, each given as a spec string (the same syntax as ``synca
 * ``schedule="3:2@0.33-0.67"``: rank 3 is 2x slower between 33% and 67% of the planned steps (a straggler that
   appears and recovers mid-run);
 * ``jitter="0.1:4"``: each step, each rank pauses for 4x its compute time with probability 0.1 (transient noise),
-  drawn from a generator seeded by ``seed`` and the rank, so runs are repeatable.
+  drawn from a generator seeded by ``seed`` and the rank, so runs are repeatable; ``jitter="0.1:4@0.67-1"`` only
+  in the last third of the planned steps.
+
+And one change of the network, which the emulator applies: ``link="20@0.33-0.67"``: the inter-node link runs at
+20 Mbit/s between 33% and 67% of the planned steps (another job's traffic), at the emulation's own rate outside.
+Global rank 0 writes the rate it wants into the file ``SYNCASYNC_LINK_CONTROL`` names, at the step the window opens
+or closes, and ``syncasync-emulate`` re-rates every node's link (``tc``) when the file changes: the phases follow
+the training's progress, as the slowdown windows do, so every strategy trains the same share of its steps under each
+condition.
 
 The extra time is injected as a sleep at the start of the step, so ``SyncMonitor`` counts it as compute (which is
 what a slower machine costs), and it is scaled by the step's own compute time measured by ``SyncMonitor`` (without
@@ -25,6 +33,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,10 +48,21 @@ ENV_SLOWDOWN = "SYNCASYNC_SLOWDOWN"
 ENV_SCHEDULE = "SYNCASYNC_SLOWDOWN_SCHEDULE"
 ENV_JITTER = "SYNCASYNC_JITTER"
 ENV_SEED = "SYNCASYNC_STRAGGLER_SEED"
+ENV_LINK_SCHEDULE = "SYNCASYNC_LINK_SCHEDULE"
+ENV_LINK_CONTROL = "SYNCASYNC_LINK_CONTROL"  # the file the emulator watches (set by syncasync-emulate)
 # "HOST:PORT:WORLD" of a TCPStore: ranks that do not communicate (the emulator's --independent runs) wait for each
 # other there before training, so that they train at the same time and share the machine the way ranks of a real
 # job do. Without it, ranks whose imports finish early train alone for a while, faster than they would together.
 ENV_START_BARRIER = "SYNCASYNC_START_BARRIER"
+
+
+@dataclass(frozen=True)
+class LinkWindow:
+    """The inter-node link runs at ``mbit`` Mbit/s between fractions ``start`` and ``end`` of the planned steps."""
+
+    mbit: float
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -84,10 +104,13 @@ def parse_schedule(spec: str) -> list[Window]:
 
 
 def parse_jitter(spec: str) -> tuple[float, float]:
-    """``"0.1:4"`` -> (probability, factor); ``""`` -> (0, 0)."""
+    """``"0.1:4"`` (or ``"0.1:4@0.67-1"``) -> (probability, factor); ``""`` -> (0, 0)."""
     if not spec.strip():
         return 0.0, 0.0
-    prob, factor = _pair(spec.strip(), "jitter", "PROB:FACTOR, e.g. 0.1:4")
+    head, _, span = spec.strip().partition("@")
+    if span:
+        _span(span, spec, "jitter", "0.1:4@0.67-1")
+    prob, factor = _pair(head, "jitter", "PROB:FACTOR[@START-END], e.g. 0.1:4")
     p = float(prob)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"jitter probability must be in [0, 1], got {p}; e.g. jitter=0.1:4")
@@ -95,6 +118,47 @@ def parse_jitter(spec: str) -> tuple[float, float]:
     if f <= 0:
         raise ValueError(f"jitter factor must be > 0 (pause = factor x compute time), got {f}; e.g. jitter=0.1:4")
     return p, f
+
+
+def parse_jitter_window(spec: str) -> tuple[float, float]:
+    """The fractions of the planned steps where ``spec``'s pauses happen: ``(0, 1)`` without ``@START-END``."""
+    _, _, span = spec.strip().partition("@")
+    return _span(span, spec, "jitter", "0.1:4@0.67-1") if span else (0.0, 1.0)
+
+
+def parse_link(spec: str) -> list[LinkWindow]:
+    """``"20@0.33-0.67"`` -> link-rate windows (Mbit/s, fractions of the planned steps), which must not overlap."""
+    out = []
+    for item in _items(spec):
+        rate, sep, span = item.partition("@")
+        try:
+            mbit = float(rate)
+        except ValueError:
+            mbit = float("nan")
+        if not sep or not mbit > 0:
+            raise ValueError(
+                f"link item {item!r} is not of the form MBIT@START-END with MBIT > 0, e.g. 20@0.33-0.67 (the link at "
+                "20 Mbit/s from 33% to 67% of the steps)"
+            )
+        out.append(LinkWindow(mbit, *_span(span, item, "link", "20@0.33-0.67")))
+    out.sort(key=lambda w: w.start)
+    for a, b in zip(out, out[1:], strict=False):
+        if b.start < a.end:
+            raise ValueError(f"link windows {spec!r} overlap; HINT: one rate at a time, e.g. 20@0.33-0.67,50@0.67-1")
+    return out
+
+
+def _span(span: str, item: str, name: str, example: str) -> tuple[float, float]:
+    start, sep, end = span.partition("-")
+    try:
+        lo, hi = (float(start), float(end)) if sep else (float("nan"), float("nan"))
+    except ValueError:
+        lo = hi = float("nan")
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(
+            f"{name} item {item!r}: the window must be START-END with 0 <= START < END <= 1, e.g. {example}"
+        )
+    return lo, hi
 
 
 def _items(spec: str) -> list[str]:
@@ -129,8 +193,12 @@ class StragglerEmulator(Callback):
         slowdown: persistent per-rank slowdowns, ``"RANK:FACTOR,..."`` (sleep based; prefer the emulator's cgroup
             shares for these, which do not free CPU for the others).
         schedule: time-windowed slowdowns, ``"RANK:FACTOR@START-END,..."`` with fractions of the planned steps.
-        jitter: transient pauses, ``"PROB:FACTOR"``.
+        jitter: transient pauses, ``"PROB:FACTOR"``, or ``"PROB:FACTOR@START-END"`` in a window of the steps.
         seed: seed of the jitter draws (combined with the rank).
+        link: inter-node link-rate windows, ``"MBIT@START-END,..."``: global rank 0 writes the rate due into
+            ``link_control`` (a file ``syncasync-emulate`` watches and applies), ``0`` outside every window (the
+            emulation's own rate).
+        link_control: that file (``syncasync-emulate`` sets ``SYNCASYNC_LINK_CONTROL``).
 
     Example::
 
@@ -138,7 +206,14 @@ class StragglerEmulator(Callback):
     """
 
     def __init__(
-        self, slowdown: str = "", schedule: str = "", jitter: str = "", seed: int = 0, start_barrier: str = ""
+        self,
+        slowdown: str = "",
+        schedule: str = "",
+        jitter: str = "",
+        seed: int = 0,
+        start_barrier: str = "",
+        link: str = "",
+        link_control: str = "",
     ) -> None:
         super().__init__()
         if start_barrier and len(start_barrier.split(":")) != 3:
@@ -149,8 +224,18 @@ class StragglerEmulator(Callback):
         self.start_barrier = start_barrier
         self.windows = parse_slowdown(slowdown) + parse_schedule(schedule)
         self.jitter_prob, self.jitter_factor = parse_jitter(jitter)
+        self.jitter_window = parse_jitter_window(jitter)
+        self.link = parse_link(link)
+        if self.link and not link_control:
+            raise ValueError(
+                f"link={link!r} needs link_control, the file the emulator watches; HINT: run under syncasync-emulate "
+                "(--link-schedule), which sets SYNCASYNC_LINK_CONTROL"
+            )
+        self.link_control = link_control
+        self.link_changes: list[tuple[int, float]] = []  # (global step, Mbit/s written; 0: the emulation's own)
+        self._link_due: float | None = None
         self.seed = seed
-        self.spec = {"slowdown": slowdown, "schedule": schedule, "jitter": jitter, "seed": seed}
+        self.spec = {"slowdown": slowdown, "schedule": schedule, "jitter": jitter, "seed": seed, "link": link}
         self._rng = random.Random(seed)
         self._last_sleep = 0.0
         self._planned_steps = 0
@@ -174,8 +259,13 @@ class StragglerEmulator(Callback):
             ("jitter", ENV_JITTER, parse_jitter),
         )
         specs = {key: env.get(var, "") for key, var, _ in parsers}
-        if not any(s.strip() for s in specs.values()):
+        link = env.get(ENV_LINK_SCHEDULE, "")
+        if not any(s.strip() for s in [*specs.values(), link]):
             return None
+        try:
+            parse_link(link)
+        except ValueError as err:
+            raise ValueError(f"{ENV_LINK_SCHEDULE}={link!r}: {err}") from None
         for key, var, parse in parsers:
             try:
                 parse(specs[key])
@@ -188,11 +278,11 @@ class StragglerEmulator(Callback):
             raise ValueError(
                 f"{ENV_SEED} must be an integer, got {seed!r}; HINT: syncasync-emulate --seed sets it, e.g. --seed 0"
             ) from None
-        return cls(**specs, seed=seed_value)
+        return cls(**specs, seed=seed_value, link=link, link_control=env.get(ENV_LINK_CONTROL, ""))
 
     @property
     def active(self) -> bool:
-        return bool(self.windows) or self.jitter_prob > 0
+        return bool(self.windows) or self.jitter_prob > 0 or bool(self.link)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -209,6 +299,7 @@ class StragglerEmulator(Callback):
         self._planned_s = timer._duration if (timer is not None and not self._planned_steps) else None
         self._train_start = time.perf_counter()
         self._last_sleep = 0.0
+        self._link_due = None
         if self.active:
             log.info("rank %d: straggler emulation %s", trainer.global_rank, self.spec)
 
@@ -224,6 +315,9 @@ class StragglerEmulator(Callback):
         if not self.active:
             return
         self._step_start = time.perf_counter()
+        progress = self._progress(trainer)
+        if self.link and trainer.global_rank == 0:
+            self._steer_link(trainer, progress)
         last = stats_recorder(trainer).last
         if last is not None and last.step != self._last_seen_step:
             measured = last.compute_s  # SyncMonitor's figure: wall time minus communication wait
@@ -235,23 +329,40 @@ class StragglerEmulator(Callback):
             return  # no measurement yet: the first step runs at native speed
         compute = max(measured - self._last_sleep, 0.0)
         factor = 1.0
-        if self._planned_steps:
-            progress = trainer.global_step / self._planned_steps
-        elif self._planned_s:
-            progress = (time.perf_counter() - self._train_start) / self._planned_s
-        else:
-            progress = 0.0
         for w in self.windows:
             if w.rank == trainer.global_rank and w.start <= progress < w.end:
                 factor *= w.factor
         sleep = (factor - 1.0) * compute
-        if self.jitter_prob > 0 and self._rng.random() < self.jitter_prob:
+        lo, hi = self.jitter_window
+        in_window = lo <= progress and (progress < hi or hi >= 1.0)  # a window to the end includes any overrun
+        if self.jitter_prob > 0 and in_window and self._rng.random() < self.jitter_prob:
             sleep += self.jitter_factor * compute
             self.events += 1
         self._last_sleep = sleep
         if sleep > 0:
             self.injected_s += sleep
             time.sleep(sleep)
+
+    def _progress(self, trainer: pl.Trainer) -> float:
+        """The fraction of the planned steps (or time) done: the clock of every window."""
+        if self._planned_steps:
+            return trainer.global_step / self._planned_steps
+        if self._planned_s:
+            return (time.perf_counter() - self._train_start) / self._planned_s
+        return 0.0
+
+    def _steer_link(self, trainer: pl.Trainer, progress: float) -> None:
+        due = next((w.mbit for w in self.link if w.start <= progress < w.end), 0.0)
+        if due == self._link_due:
+            return
+        self._link_due = due
+        # Written whole then renamed: the emulator never reads half a rate.
+        path = Path(self.link_control)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(f"{due:g}\n")
+        os.replace(tmp, path)
+        self.link_changes.append((trainer.global_step, due))
+        log.info("step %d: link rate %s", trainer.global_step, f"{due:g} Mbit/s" if due else "back to its own")
 
     @override
     def on_train_batch_end(

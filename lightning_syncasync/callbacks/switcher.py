@@ -48,6 +48,8 @@ from lightning_syncasync.callbacks.monitor import SyncMonitor
 
 log = logging.getLogger(__name__)
 
+_FIXED = 7  # the fixed fields of a window row (``_window_values``), before its per-step numbers
+
 
 class SyncSwitcher(Callback):
     """The switching policy for ``Trainer(strategy="auto_sync")`` (added with its defaults by the strategy).
@@ -57,8 +59,8 @@ class SyncSwitcher(Callback):
         first_window: steps before the first decision (>= 2): short, so that a slow inter-node link is left for
             ``hier`` after a few steps instead of a whole window.
         warmup_steps, dwell_windows, comm_high, straggler_high, straggler_low, jitter_high, jitter_low,
-            spike_factor, cooldown_windows: the policy's thresholds (see ``SwitchPolicy``; defaults measured on
-            the benchmark scenarios, README).
+            spike_factor, spike_spread, spike_floor, cooldown_windows: the policy's thresholds (see ``SwitchPolicy``;
+            defaults measured on the benchmark scenarios, README).
         rebalance: run :class:`AdaptiveBatchSize` (added with its defaults if the Trainer has none): a persistent
             straggler is then handled synchronously by rebalancing batches, which measured faster than async.
         rollback: keep the last good state and restore it on divergence.
@@ -94,6 +96,8 @@ class SyncSwitcher(Callback):
         jitter_low: float = 0.3,
         spike_factor: float = 2.0,
         cooldown_windows: int = 10,
+        spike_spread: float = 4.0,
+        spike_floor: float = 0.1,
         rebalance: bool = True,
         rollback: bool = True,
         allow_async: bool | None = None,
@@ -116,6 +120,7 @@ class SyncSwitcher(Callback):
             "warmup_steps": warmup_steps, "dwell_windows": dwell_windows, "comm_high": comm_high,
             "straggler_high": straggler_high, "straggler_low": straggler_low, "jitter_high": jitter_high,
             "jitter_low": jitter_low, "spike_factor": spike_factor, "cooldown_windows": cooldown_windows,
+            "spike_spread": spike_spread, "spike_floor": spike_floor,
         }  # fmt: skip
         SwitchPolicy(**self._policy_args)  # validate the thresholds now, not in every process later
         self.policy: SwitchPolicy | None = None
@@ -248,10 +253,14 @@ class SyncSwitcher(Callback):
         finite = losses[torch.isfinite(losses)]
         nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None
         strategy.diverged = None
-        # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite
+        # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite; then the
+        # window's steps (compute, wait, wall), the newest last, padded with NaN to ``span`` (every rank's row has
+        # the same length): the steps of a window are the same global steps on every rank.
+        per_step = [math.nan] * (3 * (span - len(steps)))
+        per_step += [x for s in steps for x in (s.compute_s, s.wait_s, s.wall_s)]
         return [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
                 float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
-                1.0 if nonfinite else 0.0]  # fmt: skip
+                1.0 if nonfinite else 0.0, *per_step]  # fmt: skip
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -315,6 +324,19 @@ class SyncSwitcher(Callback):
         self.decisions = list(state_dict.get("decisions", []))
 
 
+def _link_frac(rows: list[list[float]]) -> float | None:
+    """The wait of each step's longest-computing rank over its step time, summed over the window's steps that every
+    rank measured (``None`` if none): that rank waited for no peer, so its wait is the network's alone."""
+    wait = wall = 0.0
+    for i in range(_FIXED, len(rows[0]), 3):
+        step = [r[i : i + 3] for r in rows]
+        if any(x != x for s in step for x in s):  # a step some rank did not measure (the window's first ones)
+            continue
+        last = max(step, key=lambda s: s[0])
+        wait, wall = wait + last[1], wall + last[2]
+    return wait / wall if wall > 0 else None
+
+
 def _window_stats(rows: list[list[float]], step: int) -> WindowStats:
     """Every rank's ``_window_values`` row, as the policy reads them."""
     walls = [r[4] for r in rows]
@@ -327,6 +349,7 @@ def _window_stats(rows: list[list[float]], step: int) -> WindowStats:
         samples_per_s=sum(r[3] for r in rows) / max(walls) if max(walls) > 0 else 0.0,
         loss=sum(loss_values) / len(loss_values) if loss_values else math.nan,
         nonfinite=any(r[6] > 0 for r in rows),
+        link_frac=_link_frac(rows),
     )
 
 

@@ -66,8 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--jitter",
         default="",
-        metavar="PROB:FACTOR",
-        help="each step, each rank pauses FACTOR x its compute time with probability PROB",
+        metavar="PROB:FACTOR[@START-END]",
+        help="each step, each rank pauses FACTOR x its compute time with probability PROB (in a window of the "
+        "planned steps with @START-END, e.g. 0.1:4@0.67-1)",
+    )
+    p.add_argument(
+        "--link-schedule",
+        default="",
+        metavar="MBIT@START-END",
+        help="the inter-node link at MBIT Mbit/s during a window of the planned steps (another job's traffic), "
+        "--link-mbit outside it, e.g. 20@0.33-0.67",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the jitter draws (logged)")
     p.add_argument(
@@ -136,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             stragglers=dict(args.straggler), jitter=args.jitter, schedule=args.straggler_schedule, seed=args.seed,
             cpu_budget=args.cpu_budget, netns=not args.no_netns, cgroups=not args.no_cgroups,
             independent=args.independent, log_dir=args.log_dir, grace_s=args.grace, fault=args.fault,
+            link_schedule=args.link_schedule,
         )  # fmt: skip
         logging.info(
             "%d node(s) x %d, link %s Mbit/s, cores per rank %s, netns=%s, cgroups=%s",
@@ -167,7 +176,8 @@ def _run_ft(args: argparse.Namespace, command: list[str]) -> int:
     from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster
 
     unsupported = (("--straggler", args.straggler), ("--straggler-schedule", args.straggler_schedule),
-                   ("--jitter", args.jitter), ("--fault", args.fault), ("--independent", args.independent))  # fmt: skip
+                   ("--jitter", args.jitter), ("--fault", args.fault), ("--independent", args.independent),
+                   ("--link-schedule", args.link_schedule))  # fmt: skip
     for flag, value in unsupported:
         if value:
             print(f"syncasync-emulate: error: {flag} is not supported with --ft (yet); HINT: drop it", file=sys.stderr)

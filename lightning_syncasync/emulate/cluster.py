@@ -34,10 +34,13 @@ from lightning_syncasync._cores import ENV_HOST_RANKS, usable_cores
 from lightning_syncasync.callbacks.faults import ENV_FAULT
 from lightning_syncasync.callbacks.straggler import (
     ENV_JITTER,
+    ENV_LINK_CONTROL,
+    ENV_LINK_SCHEDULE,
     ENV_SCHEDULE,
     ENV_SEED,
     ENV_START_BARRIER,
     parse_jitter,
+    parse_link,
     parse_schedule,
 )
 from lightning_syncasync.emulate.cgroups import CpuShares, cgroup_cpu_root
@@ -72,6 +75,10 @@ class EmulationReport:
     # Per node, bytes on its inter-node link and its loopback over the whole run (EmulatedNetwork.counters); empty
     # without network namespaces.
     net_bytes: list[dict[str, int]] = field(default_factory=list)
+    link_schedule: str = ""
+    # The link rates applied while the job ran: [seconds from the start, Mbit/s (None: no limit)], the first being
+    # the emulation's own.
+    link_changes: list[list[float | None]] = field(default_factory=list)
 
 
 _HANDED_OUT: set[int] = set()
@@ -129,6 +136,9 @@ class EmulatedCluster:
         echo_rank0: copy rank 0's output to this process's stdout.
         fault: a fault to inject, ``KIND:RANK@STEP[+SECONDS]`` (``kill``, ``stop``, ``raise``, ``cut``; see
             :mod:`lightning_syncasync.callbacks.faults`), passed to every rank as ``SYNCASYNC_FAULT``.
+        link_schedule: ``"MBIT@START-END,..."``: the inter-node link's rate in windows of the planned steps
+            (``StragglerEmulator`` on global rank 0 asks for each change through a file this process watches, and the
+            change is applied to every node's link with ``tc``); ``link_mbit`` outside them.
 
     Example::
 
@@ -153,6 +163,7 @@ class EmulatedCluster:
         grace_s: float = 30.0,
         echo_rank0: bool = True,
         fault: str = "",
+        link_schedule: str = "",
     ) -> None:
         if nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {nodes}; HINT: e.g. --nodes 2")
@@ -171,6 +182,14 @@ class EmulatedCluster:
                     f"--straggler factor must be >= 1 (1.5 = 1.5x slower), got {rank}:{factor}; HINT: e.g. 3:1.5"
                 )
         parse_jitter(jitter)  # validate early, with the spec's own error messages
+        try:
+            parse_link(link_schedule)
+        except ValueError as err:
+            raise ValueError(f"--link-schedule: {err}") from None
+        if link_schedule and not netns:
+            raise ValueError(
+                "--link-schedule re-rates the nodes' links: it needs network namespaces; HINT: drop --no-netns"
+            )
         for w in parse_schedule(schedule):
             if not 0 <= w.rank < self.world_size:
                 raise ValueError(
@@ -202,6 +221,7 @@ class EmulatedCluster:
                     "--fault cut:... takes a node's link down: it needs network namespaces; HINT: drop --no-netns"
                 )
         self.fault = fault
+        self.link_schedule = link_schedule
         self.nodes, self.procs_per_node = nodes, procs_per_node
         self.link_mbit = link_mbit
         self.jitter, self.schedule, self.seed = jitter, schedule, seed
@@ -221,6 +241,9 @@ class EmulatedCluster:
         self._barrier_port: int | None = None
         self._barrier_store: object | None = None
         self._exit_times: dict[int, float] = {}
+        self._link_control: Path | None = None
+        # Extra environment of every rank, set last (the benchmark names its timeline file here).
+        self.env: dict[str, str] = {}
 
     def cores_per_rank(self) -> list[float]:
         base = self.cpu_budget / self.world_size
@@ -232,7 +255,7 @@ class EmulatedCluster:
         # One intra-op thread per rank: each emulated machine owns its share of one core, not the whole box.
         env.setdefault("OMP_NUM_THREADS", "1")
         for var in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", ENV_JITTER, ENV_SCHEDULE, ENV_SEED, ENV_START_BARRIER,
-                    ENV_FAULT, ENV_HOST_RANKS):  # fmt: skip
+                    ENV_FAULT, ENV_HOST_RANKS, ENV_LINK_SCHEDULE, ENV_LINK_CONTROL):  # fmt: skip
             env.pop(var, None)
         if self.independent:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
@@ -250,8 +273,12 @@ class EmulatedCluster:
         env[ENV_HOST_RANKS] = str(self.world_size)
         if self.fault:
             env[ENV_FAULT] = self.fault
+        env.update(self.env)
         if self.jitter:
             env[ENV_JITTER] = self.jitter
+        if self.link_schedule and not self.independent and self._link_control is not None:
+            env[ENV_LINK_SCHEDULE] = self.link_schedule
+            env[ENV_LINK_CONTROL] = str(self._link_control)
         if self.schedule:
             # Windowed slowdowns are about global ranks; an independent rank is rank 0 of its own world, so the
             # schedule is rewritten to address it.
@@ -274,6 +301,7 @@ class EmulatedCluster:
             cpu_mode="cgroup" if self.use_cgroups else "sleep", cores_per_rank=self.cores_per_rank(),
             stragglers=self.stragglers, jitter=self.jitter, schedule=self.schedule, seed=self.seed,
             independent=self.independent, fault=self.fault,
+            link_schedule="" if self.independent else self.link_schedule,
         )  # fmt: skip
         log_dir = self.log_dir or Path(__import__("tempfile").mkdtemp(prefix="syncasync-emulate-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -281,6 +309,7 @@ class EmulatedCluster:
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         files: list[IO[bytes]] = []
         threads: list[threading.Thread] = []
+        ended = threading.Event()  # the ranks are gone: the link steering stops
         try:
             if threading.current_thread() is threading.main_thread():
                 for s in previous:
@@ -300,6 +329,15 @@ class EmulatedCluster:
             elif self.netns:
                 self.network = EmulatedNetwork(self.nodes, self.link_mbit)
                 self.network.setup()
+                if self.link_schedule:
+                    self._link_control = log_dir / "link_control"
+                    self._link_control.unlink(missing_ok=True)
+                    report.link_changes.append([0.0, self.link_mbit])
+                    t = threading.Thread(
+                        target=self._steer_link, args=(self.network, report, start, ended), daemon=True
+                    )
+                    t.start()
+                    threads.append(t)
             if self.use_cgroups:
                 self.shares = CpuShares()
                 for r, cores in enumerate(self.cores_per_rank()):
@@ -320,6 +358,7 @@ class EmulatedCluster:
             self._wait(report, timeout_s)
         finally:
             self._kill_all()
+            ended.set()
             for t in threads:
                 t.join(timeout=5)
             for f in files:
@@ -342,6 +381,25 @@ class EmulatedCluster:
             (log_dir / "emulation.json").write_text(json.dumps(asdict(report), indent=2))
             self.log_dir = log_dir
         return report
+
+    def _steer_link(
+        self, network: EmulatedNetwork, report: EmulationReport, start: float, ended: threading.Event
+    ) -> None:
+        """Apply the rate rank 0 asks for (``link_schedule``) until the run ends: ``0`` is the emulation's own."""
+        assert self._link_control is not None
+        applied: str | None = None
+        while not ended.is_set():
+            try:
+                wanted = self._link_control.read_text().strip()
+            except OSError:
+                wanted = None
+            if wanted and wanted != applied:
+                mbit = float(wanted) or self.link_mbit
+                network.set_link(mbit)
+                applied = wanted
+                report.link_changes.append([round(time.monotonic() - start, 3), mbit])
+                log.info("link rate now %s", f"{mbit:g} Mbit/s" if mbit else "unlimited")
+            ended.wait(0.05)
 
     def _start(self, rank: int, cmd: list[str], env: dict[str, str], out: IO[bytes]) -> subprocess.Popen:
         """Start one rank. What the rest of the emulator needs of the process: ``pid`` (the leader of a process

@@ -165,8 +165,22 @@ class EmulatedNetwork:
         links = _ip("-o", "link", "show", check=False).stdout
         return [w.split("@")[0].rstrip(":") for w in (ns + links).split() if w.startswith(f"sa{self.tag}")]
 
-    def _tbf(self, prefix: list[str], dev: str) -> None:
-        cmd = [*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.link_mbit}mbit",
+    def set_link(self, mbit: float | None) -> None:
+        """Re-rate every node's link, both directions, while the job runs (``None``: no limit). What another job's
+        traffic on a shared link does to this one, on a schedule (``EmulatedCluster(link_schedule=...)``)."""
+        if mbit is not None and not mbit > 0:
+            raise ValueError(f"mbit must be > 0 (or None for no limit), got {mbit}")
+        self.link_mbit = mbit
+        for node in range(self.num_nodes):
+            ns = self.namespace(node)
+            for prefix, dev in (([], self.host_interface(node)), (["ip", "netns", "exec", ns], self.interface(node))):
+                if mbit is None:
+                    subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                else:
+                    self._tbf(prefix, dev, verb="replace")
+
+    def _tbf(self, prefix: list[str], dev: str, verb: str = "add") -> None:
+        cmd = [*prefix, "tc", "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{self.link_mbit}mbit",
                "burst", f"{self.burst_kb}kb", "latency", "500ms"]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import IterableDataModel, LinearLossModel, TinyLoggingModel, TinyModel  # noqa: E402 (tests/ is on sys.path)
+from _models import IterableDataModel, LinearLossModel, PacedModel, TinyLoggingModel, TinyModel  # noqa: E402 (tests/ is on sys.path)
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_syncasync.callbacks import AdaptiveBatchSize, SyncMonitor
+from lightning_syncasync.callbacks import AdaptiveBatchSize, StragglerEmulator, SyncMonitor
 
 
 def _trainer(tmp_path: Path, **kwargs) -> Trainer:
@@ -146,6 +146,27 @@ def test_under_async_ssp_every_rank_takes_the_same_decision_from_a_gather_read_a
     assert ranks[0][0]["batch"] >= 8, ranks[0]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("slow", [1.0, 2.0])
+def test_transient_pauses_move_no_sample_and_a_persistent_straggler_under_them_still_does(tmp_path, slow):
+    # The emulator's jitter: each step each rank pauses 4x its compute with p=0.2, which moved the window means
+    # from rank to rank (issue 66: 23-26 rebalances a run). A rank's median step ignores the pauses, and a move
+    # must be called for twice in a row; a rank 2x slower on every step is still rebalanced.
+    adaptive = AdaptiveBatchSize(interval=8, warmup_steps=2)
+    summary_file = tmp_path / "summary.json"
+    trainer = _trainer(tmp_path, strategy="ddp_fork", devices=2, max_steps=80,
+                       callbacks=[SyncMonitor(summary_file=str(summary_file), print_summary=False), adaptive,
+                                  StragglerEmulator(jitter="0.2:4", seed=3)])  # fmt: skip
+    trainer.fit(PacedModel(step_s=0.03, slow_rank=1, slow=slow))
+    summary = json.loads(summary_file.read_text())
+    events = [e for e in summary["events"] if e["kind"] == "rebalance"]
+    if slow == 1.0:
+        assert events == [], [(e["throughput"], e["previous"], e["sizes"]) for e in events]
+    else:
+        assert events and events[-1]["sizes"][1] < events[-1]["sizes"][0], events
+        assert len(events) <= 2, events  # it settles: no back and forth
+
+
 def test_iterable_dataset_is_refused_with_a_clear_error(tmp_path):
     trainer = _trainer(tmp_path, devices=1, max_steps=1, callbacks=[AdaptiveBatchSize()])
     with pytest.raises(TypeError, match="map-style dataset"):
@@ -165,6 +186,7 @@ def test_global_batch_smaller_than_ranks_times_min_batch_is_refused(tmp_path):
         ({"min_batch": 9, "max_batch": 8}, r"min_batch \(9\) > max_batch"),
         ({"loss_reduction": "none"}, "loss_reduction"),
         ({"sizes": [0, 4]}, "sizes"),
+        ({"persistence": 0}, "persistence must be >= 1"),
     ],
 )
 def test_bad_arguments_name_the_setting(kwargs, match):

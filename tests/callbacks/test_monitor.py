@@ -270,9 +270,40 @@ def test_summary_printout_lists_policy_events(capsys):
                "ranks": [rank], "global_samples_per_s": 5.0,
                "events": [{"kind": "switch", "step": 4, "train_s": 1.5, "mode": "sync", "next": "hier",
                            "reason": "communication 71% >= 35% of the step: hierarchical sync"}]}  # fmt: skip
-    _print_summary(summary)
+    _print_summary(summary, "run/summary.json")
     out = capsys.readouterr().out
-    assert "step 4 (1.5 s): switch: mode=sync; next=hier; reason=communication 71% >= 35%" in out
+    assert "events: 1 switch" in out
+    assert "step 4 (1.5 s) switch: sync -> hier: communication 71% >= 35% of the step: hierarchical sync" in out
+    assert 'every event with all its fields: run/summary.json ("events")' in out
+
+
+def test_two_dozen_events_print_as_a_few_short_lines_with_every_switch_and_no_raw_float():
+    # A new user's auto_sync run printed 24 rebalance and switch events, each over two lines with raw floats.
+    import re
+
+    from lightning_syncasync.callbacks._events import event_lines
+
+    events = []
+    for i in range(20):
+        events.append({"kind": "rebalance", "step": 10 * i, "train_s": 0.5 * i, "batch": 10 * i,
+                       "previous": [16, 16], "sizes": [17, 15], "throughput": [101.23, 95.5],
+                       "predicted_speedup": 1.0666666666666667})  # fmt: skip
+    reasons = ["communication 71% >= 35% of the step: hierarchical sync",
+               "jitter 0.81 >= 0.5 on the slow link: asynchronous (SSP)", "homogeneous: synchronous"]  # fmt: skip
+    for i, (a, b) in enumerate([("sync", "hier"), ("hier", "async"), ("async", "sync")]):
+        events.append({"kind": "switch", "step": 40 * i, "train_s": 2.0 * i, "mode": a, "next": b,
+                       "reason": reasons[i], "signals": "comm 71%, straggler ratio 1.00, jitter 0.05"})  # fmt: skip
+    events.append({"kind": "rollback", "step": 150, "train_s": 9.0, "mode": "async", "next": "sync",
+                   "reason": "divergence (loss 5 > 2 (2 x the median recent 1)) in async: " + "x" * 200})  # fmt: skip
+    lines = event_lines(events, width=100, where="summary.json")
+    assert len(lines) <= 8, lines
+    assert lines[0] == "events: 20 rebalances, 3 switches, 1 rollback"
+    assert all(len(line) <= 100 for line in lines) and lines[4].endswith("…")  # the long rollback reason
+    for reason in reasons:
+        assert any(reason in line for line in lines), lines
+    assert "  batch split: 20 changes, the last step 190 (9.5 s): [16, 16] -> [17, 15], predicted 1.07x faster" in lines
+    assert not re.search(r"\d\.\d{6,}", "\n".join(lines)), lines  # no float printed raw
+    assert event_lines([]) == []
 
 
 def test_summary_header_names_the_codec_and_the_strategys_notes(capsys):

@@ -69,3 +69,34 @@ def test_async_is_allowed_by_default_on_one_node_only_and_a_setting_decides_ever
         SyncSwitcher(allow_async="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="allow_async must be None, True or False, got 1; HINT"):
         SyncSwitcher(allow_async=1)  # type: ignore[arg-type]
+
+
+def _row(compute_wait_wall: list[tuple[float, float, float]]) -> list[float]:
+    """A ``_window_values`` row: the fixed fields (their values do not matter here), then the per-step triples."""
+    return [1.0, 0.1, 0.5, 32.0, 1.0, 0.1, 0.0, *[x for step in compute_wait_wall for x in step]]
+
+
+def test_the_link_wait_is_the_wait_of_each_steps_last_rank_to_arrive():
+    from lightning_syncasync.callbacks.switcher import _link_frac, _window_stats
+
+    # Jitter across nodes: each step one rank pauses (computes 0.5 s instead of 0.1 s) and the others wait for it;
+    # the link itself costs 0.02 s a step. Every rank's window share of waiting is ~ 0.45, the link's ~ 0.04.
+    def step(paused: int, rank: int) -> tuple[float, float, float]:
+        compute = 0.5 if rank == paused else 0.1
+        wall = 0.52
+        return compute, wall - compute, wall
+
+    rows = [_row([step(paused, rank) for paused in (0, 1, 2, 3)]) for rank in range(4)]
+    for r in rows:  # the per-window share the policy read before (the fixed fields, recomputed)
+        r[2] = sum(r[7 + 3 * i + 1] for i in range(4)) / sum(r[7 + 3 * i + 2] for i in range(4))
+    w = _window_stats(rows, 40)
+    assert min(w.wait_frac) > 0.4  # the old signal: "communication 45%" -> hier
+    assert _link_frac(rows) == pytest.approx(0.02 / 0.52)
+    assert w.comm_frac == pytest.approx(0.02 / 0.52)  # the policy reads the link's own cost
+    # A slow link with equal ranks: every rank waits the same, and the link's share is that wait.
+    slow = [_row([(0.1, 0.4, 0.5)] * 3) for _ in range(4)]
+    assert _link_frac(slow) == pytest.approx(0.8)
+    # The window's first steps some rank did not measure (NaN padding) are left out; none measured: no signal.
+    padded = [_row([(float("nan"),) * 3, (0.1, 0.4, 0.5)]) for _ in range(2)]
+    assert _link_frac(padded) == pytest.approx(0.8)
+    assert _link_frac([_row([(float("nan"),) * 3])] * 2) is None

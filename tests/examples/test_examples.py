@@ -116,6 +116,7 @@ def test_hydra_own_config_multirun_over_strategies(tmp_path):
 
 
 @pytest.mark.spawn
+@pytest.mark.slow  # 21 s; Hydra's multirun from the user's own config runs in the default suite (above)
 @pytest.mark.timeout(200)
 def test_hydra_own_config_optuna_sweep(tmp_path):
     _run(

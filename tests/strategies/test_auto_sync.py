@@ -12,6 +12,7 @@ import pytest
 import torch
 from _models import (
     ConstantGradModel,
+    LrBlowUpModel,
     ManualNaNModel,
     NaNFirstMicroBatchModel,
     NaNInAsyncModel,
@@ -156,6 +157,31 @@ def test_switcher_goes_async_under_a_straggler_and_rolls_back_on_divergence(tmp_
         assert torch.isfinite(r["final"]).all()
         torch.testing.assert_close(r["final"], ranks[0]["final"], rtol=0, atol=0)
         assert r["decisions"] == ranks[0]["decisions"]  # one decision per window, the same on every rank
+
+
+@pytest.mark.timeout(240)
+def test_a_learning_rate_times_100_in_async_mode_is_caught_and_rolled_back(tmp_path):
+    # The divergence guard's floor and spread (issue 66) must not hide a real blow-up: the loss is low (a separable
+    # task trained to near zero), then the learning rate goes x100 in async mode. Its window is rolled back to the
+    # last good state (the learning rate with it), async is banned, and training ends with a low loss again.
+    # Synchronous for 30 steps (the warm-up: the loss gets low), then async under the straggler, then the blow-up.
+    switcher = SyncSwitcher(window=3, warmup_steps=30, dwell_windows=1, rebalance=False, straggler_high=1.5,
+                            straggler_low=1.2, jitter_high=5.0, jitter_low=4.0, cooldown_windows=50,
+                            allow_async=True)  # fmt: skip
+    model = LrBlowUpModel(slow_rank=1, delay=0.03, after=4)
+    ranks, summary = _fit(tmp_path, AutoSyncStrategy(start_method="fork"), model, steps=54, callbacks=[switcher])
+    rollbacks = [e for e in summary["events"] if e["kind"] == "rollback"]
+    assert [(e["mode"], e["next"]) for e in rollbacks] == [("async", "sync")], summary["events"]
+    reason = rollbacks[0]["reason"]
+    assert "restored the last good state" in reason and "loss " in reason, reason
+    before = [d for d in ranks[0]["decisions"] if d["step"] < rollbacks[0]["step"]]
+    low = float(before[-2]["signals"].rsplit("loss ", 1)[1])
+    assert low < 0.2, before  # the guard held at a low loss until the blow-up
+    for r in ranks:
+        assert torch.isfinite(r["final"]).all()
+        torch.testing.assert_close(r["final"], ranks[0]["final"], rtol=0, atol=0)
+    last = float(ranks[0]["decisions"][-1]["signals"].rsplit("loss ", 1)[1])
+    assert last < low, ranks[0]["decisions"][-1]  # the restored state (its learning rate too) trained on
 
 
 @pytest.mark.timeout(240)

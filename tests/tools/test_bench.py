@@ -39,6 +39,7 @@ def test_smoke_scenario_writes_every_file_with_sane_values(tmp_path):
     assert "| ddp |" in report and "no-communication limit" in report
 
 
+@pytest.mark.slow  # 15 s; the advisor end to end on gloo processes runs in the default suite (test_advise.py)
 @pytest.mark.timeout(300)
 def test_the_advisor_runs_inside_the_scenarios_cluster_and_its_pick_is_kept(tmp_path):
     run_main(bench_main, ["--scenario", "smoke", "--strategies", "none", "--advise", "--out", str(tmp_path),

@@ -114,6 +114,51 @@ def test_inter_node_link_is_rate_limited(tmp_path):
     assert min(seconds) >= 0.4, seconds
 
 
+def _rerated_job() -> None:
+    """Rank 0 asks for 8 Mbit/s through the emulator's control file between two timed 2 MB all-reduces."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(500_000)
+    dist.all_reduce(t)  # connect
+
+    def timed() -> float:
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        return time.perf_counter() - start
+
+    fast = timed()
+    if dist.get_rank() == 0:
+        Path(os.environ["SYNCASYNC_LINK_CONTROL"]).write_text("8\n")
+    time.sleep(1.0)  # the emulator polls the file every 50 ms
+    slow = timed()
+    dist.destroy_process_group()
+    print("SECONDS", fast, slow)
+
+
+@needs_root
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_the_link_is_rerated_while_the_job_runs_when_rank_0_asks(tmp_path):
+    # 2 nodes at 1 Gbit/s, then 8 Mbit/s (1 MB/s): a 2 MB all-reduce moves >= 1 MB each way, so >= 1 s by physics.
+    here = str(Path(__file__).parent)
+    script = (
+        f"import os, sys; sys.path[:0] = [{here!r}, {str(Path(here).parent)!r}]; "
+        "from test_emulate import _rerated_job; _rerated_job()"
+    )
+    cluster = EmulatedCluster(nodes=2, procs_per_node=1, link_mbit=1000, log_dir=tmp_path, echo_rank0=False,
+                              link_schedule="8@0.5-1")  # fmt: skip
+    report = cluster.run([sys.executable, "-c", script], timeout_s=100)
+    assert report.exit_codes == [0, 0], [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
+    times = [[float(x) for x in ln.split()[1:]] for r in range(2)
+             for ln in (tmp_path / f"rank{r}.log").read_text().splitlines() if ln.startswith("SECONDS")]  # fmt: skip
+    for fast, slow in times:
+        assert slow >= 0.8 and fast < 0.5 * slow, times
+    assert [mbit for _, mbit in report.link_changes] == [1000, 8.0], report.link_changes
+    assert report.link_schedule == "8@0.5-1"
+
+
 @needs_root
 @pytest.mark.netns
 @pytest.mark.timeout(120)
@@ -221,6 +266,8 @@ def test_without_root_the_error_says_what_to_do(monkeypatch):
         (["--straggler-schedule", "1:2@0.7-0.2"], "START-END"),
         (["--cpu-budget", "1000"], "--cpu-budget"),
         (["--no-netns", "--link-mbit", "100"], "--link-mbit needs network namespaces"),
+        (["--link-schedule", "10@0.6-0.2"], "START-END"),
+        (["--no-netns", "--link-schedule", "10@0.2-0.6"], "needs network namespaces"),
         ([], "no training command"),
     ],
 )

@@ -538,10 +538,14 @@ class RoundExchange:
         self._ends[rnd.index] = statistics.median(ends)
         times = [t for t in per_rank[:, 2].tolist() if t > 0]
         step_s = sum(times) / len(times) if times else None  # the ranks' mean step time
+        exchange_s = float(per_rank[:, 4].max())  # the slowest rank's: a round is delivered when its exchange is
         if self.round_s is not None or step_s is not None:
             late = ends[self.rank] - self._ends[rnd.index]
-            self._behind = late > 0.5 * (self.round_s if self.round_s is not None else self.local_steps * step_s)
-        exchange_s = float(per_rank[:, 4].max())  # the slowest rank's: a round is delivered when its exchange is
+            # Late against the pace rounds really end at: the round's compute, or the exchange when the link is
+            # slower (the bound then paces every rank). A rank a few scheduler ticks late behind a link-bound
+            # exchange is not behind: a catch-up round there costs a whole exchange and carries no step.
+            length = self.round_s if self.round_s is not None else self.local_steps * step_s
+            self._behind = late > 0.5 * max(length, exchange_s)
         if step_s is not None and exchange_s > 0:
             self.stats.exchange_s.append(exchange_s)
             # The same metadata on every rank, the same decision: the length changes at this round everywhere.
