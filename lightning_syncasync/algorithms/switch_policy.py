@@ -296,6 +296,11 @@ class SwitchPolicy:
         if "async" in self.available and jitter >= (self.jitter_low if in_async else self.jitter_high):
             limit = self.jitter_low if in_async else self.jitter_high
             return "async", f"jitter {jitter:.2f} >= {limit:g} (transient pauses): asynchronous (SSP)"
+        if "hier" in self.available and "async" not in self.available and jitter >= self.jitter_high:
+            # Async off: the flat all-reduce would make every rank wait for every pause each step; hier waits only
+            # for the node-mate's, and crosses the link at its period (jitter_slow_link: hier_sync's time to target
+            # 23.1 s against ddp's 32.9, docs/benchmarks.md).
+            return "hier", f"jitter {jitter:.2f} >= {self.jitter_high:g} and async off: hierarchical sync"
         if ratio >= (self.straggler_low if in_async else self.straggler_high):
             if self.rebalance:
                 return "sync", (

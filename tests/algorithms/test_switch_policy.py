@@ -186,6 +186,9 @@ def test_pauses_reach_async_from_hier_and_a_slow_link_alone_keeps_hier():
     d = p.decide(window(cv=(0.9, 0.8, 0.85, 0.95)), "hier")
     assert d.mode == "async" and "on the slow link" in d.reason
     assert policy(available=("sync", "hier")).decide(window(cv=(0.9,) * 4), "hier").mode == "hier"  # async off
+    # Async off and pauses on a fast link: hier (each rank waits for its node-mate's pauses only), not sync.
+    d = policy(available=("sync", "hier")).decide(window(cv=(0.9,) * 4), "sync")
+    assert d.mode == "hier" and "async off" in d.reason
     # The link's own share, when measured, is what the policy reads as communication.
     w = WindowStats(100, [1.0] * 4, [0.9] * 4, [0.45] * 4, 100.0, 1.0, link_frac=0.04)
     assert w.comm_frac == 0.04 and policy().decide(w, "sync").mode == "async"
