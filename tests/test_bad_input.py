@@ -525,7 +525,7 @@ CASES: list[Case] = [
          lambda: AdaptiveBatchSize(interval=0), ValueError, r"interval", r"HINT: 10 decides every 10 batches"),
     Case("adaptive-persistence", "callback AdaptiveBatchSize", "AdaptiveBatchSize(persistence=0)",
          lambda: AdaptiveBatchSize(persistence=0), ValueError, r"persistence must be >= 1",
-         r"HINT: 2 ignores a rank slow in one window only"),
+         r"HINT: 3 waits for three windows in a row"),
     Case("adaptive-min-max", "callback AdaptiveBatchSize", "AdaptiveBatchSize(min_batch=4, max_batch=2)",
          lambda: AdaptiveBatchSize(min_batch=4, max_batch=2), ValueError, r"min_batch \(4\) > max_batch \(2\)",
          r"lower min_batch or raise max_batch"),

@@ -17,7 +17,9 @@ Signals, each computed from every rank's window of steps (so every rank computes
   window mean holds the others' pauses, and the smallest of them read 45-47% on a 100 Mbit/s link whose own cost was
   far less (``jitter_slow_link``), which chose ``hier`` where ``async_ssp`` was 1.23x sooner. Windows without the
   per-step numbers fall back to the smallest per-rank share.
-* straggler ratio: max over median of the per-rank mean compute time *per sample*. Per sample, because batch
+* straggler ratio: max over median of the per-rank compute time *per sample*, each rank's at its median step (a
+  transient pause is jitter, not a slower rank: with the mean, pauses read as a straggler ratio up to 2.2 in async
+  windows of ``jitter_slow_link``). Per sample, because batch
   rebalancing equalises compute time per step while the slow rank stays slow per sample. Persistent -> stay
   ``sync`` and let :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` rebalance (when it runs; measured
   better than async on the ``straggler`` benchmark, README), else ``async``.
@@ -78,7 +80,7 @@ class WindowStats:
 
     Attributes:
         step: the global step at the end of the window.
-        compute_per_sample: mean compute seconds per sample of each rank.
+        compute_per_sample: each rank's compute seconds per sample at its median step.
         compute_cv: coefficient of variation of each rank's per-step compute time per sample.
         wait_frac: each rank's share of step time spent blocked on communication.
         samples_per_s: global throughput over the window.
@@ -145,6 +147,8 @@ class SwitchPolicy:
         spike_floor: ... and rose more than this fraction of the size of the run's first window loss (>= 0): at
             0.1 a classifier starting at 2.3 must rise by 0.23, which noise near zero never did and a blow-up does.
         cooldown_windows: windows a mode that diverged stays off.
+        leave_async_windows: windows in a row whose signals must call for leaving ``async`` (a divergence leaves at
+            once).
 
     Example::
 
@@ -167,6 +171,7 @@ class SwitchPolicy:
         cooldown_windows: int = 10,
         spike_spread: float = 4.0,
         spike_floor: float = 0.1,
+        leave_async_windows: int = 2,
     ) -> None:
         unknown = [m for m in available if m not in MODES]
         if unknown or "sync" not in available:
@@ -204,6 +209,11 @@ class SwitchPolicy:
                 f"spike_floor must be >= 0, got {spike_floor}; HINT: 0.1 ignores a rise under 10% of the first "
                 "window's loss, 0 turns that bound off"
             )
+        if leave_async_windows < 1:
+            raise ValueError(
+                f"leave_async_windows must be >= 1, got {leave_async_windows}; HINT: 2 leaves async once two windows "
+                "in a row call for it, 1 at the first"
+            )
         if cooldown_windows < 0:
             raise ValueError(
                 f"cooldown_windows must be >= 0, got {cooldown_windows}; HINT: 0 lets a diverged mode be chosen again "
@@ -221,6 +231,8 @@ class SwitchPolicy:
         self.spike_floor = spike_floor
         self.cooldown_windows = cooldown_windows
         self.first_loss: float | None = None  # the run's first window loss: the scale of spike_floor
+        self.leave_async_windows = leave_async_windows
+        self._leave_votes = 0  # windows in a row that called for leaving async
         self.windows_in_mode = dwell_windows  # the starting mode was not a switch: the first window may switch
         self.recent_losses: list[float] = []  # healthy windows, newest last
         self.banned: dict[str, int] = {}  # mode -> windows left
@@ -259,6 +271,14 @@ class SwitchPolicy:
             return Decision(mode, f"{why}; but synchronous warm-up ({window.step} < {self.warmup_steps} steps)")
         if want != mode and want in self.banned:
             return Decision(mode, f"{why}; but {want} diverged recently (off for {self.banned[want]} more windows)")
+        if mode == "async" and want != mode:
+            # Pauses are rare events: in a 10-step window at p=0.1 a third of the ranks draw none, and one quiet
+            # window read as "no jitter" took jitter_slow_link out of async for two windows (jitter 0.12 between
+            # windows of 0.55-0.87). Leaving async waits for the signal to be gone in windows in a row.
+            self._leave_votes += 1
+            if self._leave_votes < self.leave_async_windows:
+                return Decision(mode, f"{why}; but confirming ({self._leave_votes}/{self.leave_async_windows} windows)")
+        self._leave_votes = 0
         if want != mode:
             self.windows_in_mode = 0
         return Decision(want, why)

@@ -112,7 +112,7 @@ class AdaptiveBatchSize(Callback):
         hysteresis: float = 0.05,
         smoothing: float = 0.5,
         warmup_steps: int = 3,
-        persistence: int = 2,
+        persistence: int = 3,
         loss_reduction: str = "mean",
         seed: int | None = None,
         grow_batch: bool = False,
@@ -151,7 +151,7 @@ class AdaptiveBatchSize(Callback):
         if persistence < 1:
             raise ValueError(
                 f"persistence must be >= 1 (windows in a row that call for the same move), got {persistence}; HINT: "
-                "2 ignores a rank slow in one window only, 1 adopts a split from one window"
+                "3 waits for three windows in a row, 1 adopts a split from one window"
             )
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(

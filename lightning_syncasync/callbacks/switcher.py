@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import statistics
 from typing import Any
 
 import lightning.pytorch as pl
@@ -59,7 +60,8 @@ class SyncSwitcher(Callback):
         first_window: steps before the first decision (>= 2): short, so that a slow inter-node link is left for
             ``hier`` after a few steps instead of a whole window.
         warmup_steps, dwell_windows, comm_high, straggler_high, straggler_low, jitter_high, jitter_low,
-            spike_factor, spike_spread, spike_floor, cooldown_windows: the policy's thresholds (see ``SwitchPolicy``;
+            spike_factor, spike_spread, spike_floor, cooldown_windows, leave_async_windows: the policy's thresholds
+            (see ``SwitchPolicy``;
             defaults measured on the benchmark scenarios, README).
         rebalance: run :class:`AdaptiveBatchSize` (added with its defaults if the Trainer has none): a persistent
             straggler is then handled synchronously by rebalancing batches, which measured faster than async.
@@ -98,6 +100,7 @@ class SyncSwitcher(Callback):
         cooldown_windows: int = 10,
         spike_spread: float = 4.0,
         spike_floor: float = 0.1,
+        leave_async_windows: int = 2,
         rebalance: bool = True,
         rollback: bool = True,
         allow_async: bool | None = None,
@@ -120,7 +123,7 @@ class SyncSwitcher(Callback):
             "warmup_steps": warmup_steps, "dwell_windows": dwell_windows, "comm_high": comm_high,
             "straggler_high": straggler_high, "straggler_low": straggler_low, "jitter_high": jitter_high,
             "jitter_low": jitter_low, "spike_factor": spike_factor, "cooldown_windows": cooldown_windows,
-            "spike_spread": spike_spread, "spike_floor": spike_floor,
+            "spike_spread": spike_spread, "spike_floor": spike_floor, "leave_async_windows": leave_async_windows,
         }  # fmt: skip
         SwitchPolicy(**self._policy_args)  # validate the thresholds now, not in every process later
         self.policy: SwitchPolicy | None = None
@@ -253,12 +256,15 @@ class SyncSwitcher(Callback):
         finite = losses[torch.isfinite(losses)]
         nonfinite = bool(finite.numel() < losses.numel()) or strategy.diverged is not None
         strategy.diverged = None
-        # compute/sample mean, compute/sample cv, wait share, samples, wall s, loss mean, non-finite; then the
-        # window's steps (compute, wait, wall), the newest last, padded with NaN to ``span`` (every rank's row has
-        # the same length): the steps of a window are the same global steps on every rank.
+        # The rank's pace: its median step's compute per sample (a transient pause is the jitter signal's, not a
+        # slower rank's); its variation: the coefficient of variation around the mean, pauses included.
+        pace = statistics.median(per_sample) if per_sample else 0.0
+        # compute/sample at the median step, compute/sample cv, wait share, samples, wall s, loss mean, non-finite;
+        # then the window's steps (compute, wait, wall), the newest last, padded with NaN to ``span`` (every rank's
+        # row has the same length): the steps of a window are the same global steps on every rank.
         per_step = [math.nan] * (3 * (span - len(steps)))
         per_step += [x for s in steps for x in (s.compute_s, s.wait_s, s.wall_s)]
-        return [mean, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
+        return [pace, math.sqrt(var) / mean if mean > 0 else 0.0, wait / wall if wall > 0 else 0.0,
                 float(sum(s.samples for s in steps)), wall, float(finite.mean()) if finite.numel() else math.nan,
                 1.0 if nonfinite else 0.0, *per_step]  # fmt: skip
 

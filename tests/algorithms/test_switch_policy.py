@@ -43,7 +43,12 @@ def test_each_regime_of_the_flow():
 def test_hysteresis_keeps_async_until_the_signal_is_clearly_gone():
     p = policy()
     assert p.decide(window(cv=(0.4,) * 4), "async").mode == "async"  # below high, above low: stay
-    assert p.decide(window(cv=(0.2,) * 4), "async").mode == "sync"
+    d = p.decide(window(cv=(0.2,) * 4), "async")
+    assert d.mode == "async" and "confirming (1/2 windows)" in d.reason  # one quiet window is not enough
+    assert p.decide(window(cv=(0.9,) * 4), "async").mode == "async"  # the pauses again: the count starts over
+    assert p.decide(window(cv=(0.2,) * 4), "async").mode == "async"
+    assert p.decide(window(cv=(0.2,) * 4), "async").mode == "sync"  # two in a row
+    assert policy(leave_async_windows=1).decide(window(cv=(0.2,) * 4), "async").mode == "sync"
     assert policy().decide(window(cv=(0.4,) * 4), "sync").mode == "sync"  # not enough to enter
 
 
@@ -55,7 +60,8 @@ def test_warmup_and_dwell():
     assert d.mode == "hier"  # a slow link is left at once: hier's delay is bounded
     p = SwitchPolicy(warmup_steps=0, dwell_windows=3)
     assert p.decide(window(cv=(0.9,) * 4), "sync").mode == "async"  # the start was not a switch: no dwell
-    assert [p.decide(window(), "async").mode for _ in range(3)] == ["async", "async", "sync"]  # dwell 3 windows
+    # dwell 3 windows, then leaving async waits for a second window that calls for it
+    assert [p.decide(window(), "async").mode for _ in range(4)] == ["async", "async", "async", "sync"]
     p.decide(window(cv=(0.9,) * 4), "sync")
     assert "dwell" in p.decide(window(), "async").reason
 
