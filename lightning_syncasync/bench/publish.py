@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_ratio
+from lightning_syncasync.bench.phases import changing, phase_table
 from lightning_syncasync.bench.pooled import PooledLearning
 from lightning_syncasync.bench.report import (
     elastic_answers,
@@ -90,6 +91,8 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
                 lines += ranking_lines(scenario, ranked) + [""]
         if found is not None and found.elastic:
             lines += elastic_table(by_strategy) + [""] + elastic_answers(scenario, table)
+        if found is not None and changing(found):
+            lines += phase_table(found, by_strategy)
     cmds = _commands(records)
     lines.append(f"Measured by {', '.join(f'`{c}`' for c in cmds) or 'an unrecorded command'} (records: `{name}`).")
     return "\n".join(lines) + "\n"

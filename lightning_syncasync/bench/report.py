@@ -123,8 +123,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], command: str) -> 
             lines += ["", *ranking_lines(name, [r for s in by_strategy.values() for r in s["runs"]])]
         if sc is not None and sc.elastic:
             lines += ["", *elastic_table(by_strategy), "", f"![{name} against time](elastic_{name}.png)"]
-        if sc is not None and changing(sc):
-            lines += ["", *phase_table(sc, by_strategy), f"![{name} by phase](phases_{name}.png)"]
+        phases = phase_table(sc, by_strategy) if sc is not None and changing(sc) else []
+        if phases:
+            lines += ["", *phases, f"![{name} by phase](phases_{name}.png)"]
         lines += [""] + _wire_table(by_strategy) + _memory_table(by_strategy) + _answers(name, by_strategy, table)
         if sc is not None and sc.elastic:
             lines += ["", *elastic_answers(name, table)]
