@@ -52,7 +52,7 @@ from lightning_syncasync.algorithms.batching.noise_scale import GradientNoiseSca
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
-from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, stats_recorder, trains_asynchronously
+from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, ranks_apart, stats_recorder
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.monitor import SyncMonitor
 
@@ -450,7 +450,7 @@ class AdaptiveBatchSize(Callback):
         # Every gather launched is read, in launch order, whatever the strategy does now.
         pending, self._pending = self._pending, None
         earlier = pending.rows() if pending is not None else None
-        if probe is None and trains_asynchronously(trainer):
+        if probe is None and ranks_apart(trainer):
             self._rebalance_async(trainer, values, earlier)
             return
         rows = gather_rows(trainer, values)

@@ -42,7 +42,7 @@ from lightning_syncasync.algorithms.switch_policy import (
     SwitchPolicy,
     WindowStats,
 )
-from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, trains_asynchronously
+from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, ranks_apart
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
 from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize
 from lightning_syncasync.callbacks.monitor import SyncMonitor
@@ -207,7 +207,7 @@ class SyncSwitcher(Callback):
         # Every gather launched is read, in launch order, whatever the mode is now.
         pending, self._pending = self._pending, None
         earlier = (pending[0], pending[1].rows()) if pending is not None else None
-        if trains_asynchronously(trainer):
+        if ranks_apart(trainer):
             # No gather that every rank waits at: this window's numbers travel while the ranks train on, and the
             # decision taken now reads the previous window's (PendingRows says why). The first window in async mode
             # has none to read: no decision until the next one.

@@ -101,7 +101,7 @@ class _BackgroundGather(Callback):
         self.out, self.pending, self.seen = out, None, {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_syncasync.callbacks._stats_source import PendingRows, trains_asynchronously
+        from lightning_syncasync.callbacks._stats_source import PendingRows, ranks_apart
 
         step = trainer.global_step
         if self.pending is not None:
@@ -113,7 +113,7 @@ class _BackgroundGather(Callback):
             start = time.perf_counter()
             self.pending = PendingRows(trainer, [float(trainer.global_rank), float(step)])
             self.seen["launch_s"] = time.perf_counter() - start
-            self.seen["asynchronous"] = trains_asynchronously(trainer)
+            self.seen["asynchronous"] = ranks_apart(trainer)
 
     def on_fit_end(self, trainer, pl_module):
         (Path(self.out) / f"seen{trainer.global_rank}.json").write_text(json.dumps(self.seen))
