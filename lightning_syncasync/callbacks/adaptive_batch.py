@@ -19,9 +19,10 @@ Three pieces make that safe for any LightningModule:
 * **One decision.** Every ``interval`` batches, each rank's compute throughput since the last decision (samples per
   second of compute, communication waits excluded, from the same ``StatsRecorder`` that ``SyncMonitor`` closes) is
   gathered; rank 0 decides (with hysteresis and bounds) and broadcasts; all ranks schedule the new split from the same
-  sampler step, past anything their loaders have prefetched. Under a strategy that trains asynchronously
-  (``async_ssp``, ``auto_sync`` in async mode) the gather runs in the background and is read a window later, where
-  every rank takes the same decision from the same numbers: no collective that every rank waits at.
+  sampler step, past anything their loaders have prefetched. Under a strategy whose ranks are apart between its
+  exchanges (``async_ssp``, ``hier_sync``, ``auto_sync`` in async or hier mode) the gather runs in the background and
+  is read a window later, where every rank takes the same decision from the same numbers: no collective that every
+  rank waits at.
 
 With ``hier_sync`` each node keeps an equal share of ``B`` (node models are averaged uniformly, so only then is the
 update unbiased); ranks are rebalanced inside their node. Decisions go to ``SyncMonitor``'s summary (``events``),
