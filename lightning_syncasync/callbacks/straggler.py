@@ -90,15 +90,7 @@ def parse_schedule(spec: str) -> list[Window]:
     for item in _items(spec):
         head, _, span = item.partition("@")
         rank, factor = _pair(head, "schedule", "RANK:FACTOR@START-END, e.g. 3:2@0.33-0.67")
-        start, sep, end = span.partition("-")
-        try:
-            lo, hi = (float(start), float(end)) if sep else (float("nan"), float("nan"))
-        except ValueError:
-            lo = hi = float("nan")
-        if not 0.0 <= lo < hi <= 1.0:
-            raise ValueError(
-                f"schedule item {item!r}: the window must be START-END with 0 <= START < END <= 1, e.g. 3:2@0.33-0.67"
-            )
+        lo, hi = _span(span, item, "schedule", "3:2@0.33-0.67")
         out.append(Window(int(rank), _factor(factor, "schedule", "3:2@0.33-0.67"), lo, hi))
     return out
 

@@ -5,9 +5,10 @@ and its variation, communication share, samples, loss, divergence) from the ``St
 :class:`SyncMonitor` fills; the numbers are all-gathered as one float tensor (no pickled objects), and every rank
 runs the same :class:`~lightning_syncasync.algorithms.switch_policy.SwitchPolicy` on the same numbers, so every rank
 reaches the same decision at the same step without a broadcast. In async mode nothing else makes the ranks meet, and
-in hier mode nothing makes the nodes meet between their rounds, so there the gather is not waited for at once: each window's numbers travel in the background and the decision at the next
-window reads them (a decision one window late, and no barrier every ``window`` steps). A switch happens at that step
-boundary (before the next step's batch is used), through the strategy's ``switch_mode``: the callback works through
+in hier mode nothing makes the nodes meet between their rounds, so there the gather is not waited for at once: each
+window's numbers travel in the background and the decision at the next window reads them (a decision one window
+late, and no barrier every ``window`` steps). A switch happens at that step boundary (before the next step's batch is
+used), through the strategy's ``switch_mode``: the callback works through
 :class:`~lightning_syncasync.algorithms.switch_policy.SwitchesModes`, which ``AutoSyncStrategy`` implements, and does
 not import the strategy that adds it.
 
