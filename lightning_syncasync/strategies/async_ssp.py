@@ -35,19 +35,15 @@ What Lightning's collectives mean here, since ranks are at different steps durin
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -56,192 +52,44 @@ from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_, destro
 from lightning_syncasync.algorithms._flat import copy_flat_
 from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.averaging.rounds import (
-    NonFiniteRoundError,
     RoundExchange,
-    RoundsStopped,
     check_rounds,
 )
 from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, grads_total, loss_total
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.strategies._async_cuts import CutsAtLightningHooks, LocalReduceWhileAsync
+from lightning_syncasync.strategies._async_step import (
+    DivergenceError,
+    as_divergence,
+    check_async_fit,
+    finite_closure,
+    learning_rates,
+    server_update,
+    ssp_optimizer_step,
+    what_is_checked,
+)
 from lightning_syncasync.strategies._checks import check_async, check_common
+from lightning_syncasync.strategies._claiming import (
+    DEFAULT_WARMUP_STEPS,
+    _check_warmup,
+    _claim_budget,
+    _ClaimingLoader,
+    follow_global_progress,
+)
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
-from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
+from lightning_syncasync.strategies._optim import broadcast_optimizer_state
 from lightning_syncasync.strategies._round_length import RoundLengthReport, round_length
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, drop_added_callback_states
 from lightning_syncasync.strategies._watch import WatchedStrategy
 
+__all__ = ["AsyncSSPStrategy", "DivergenceError"]
+
 log = logging.getLogger(__name__)
-
-
-class DivergenceError(RuntimeError):
-    """The loss became NaN/inf under asynchronous training."""
-
-
-# What a step's finiteness check reads (what_is_checked), also named in its error.
-LOSS = "loss"
-MANUAL = "the gradients' L1 norm (manual optimization)"
-ACCUMULATED = "the loss or the gradients' L1 norm (gradient accumulation)"
-
-
-def what_is_checked(module: pl.LightningModule | None) -> str:
-    """What the async modes check for a NaN before a step's gradient can leave the rank: the loss of Lightning's
-    closure; under manual optimization, which returns none (the backward ran in ``training_step``), the gradients;
-    under gradient accumulation the loss and the gradients, since the closure's loss is the last micro-batch's only
-    while the gradients hold every micro-batch's."""
-    if module is None:
-        return LOSS
-    if not module.automatic_optimization:
-        return MANUAL
-    trainer = module._trainer
-    return ACCUMULATED if trainer is not None and trainer.accumulate_grad_batches > 1 else LOSS
-
-
-def checked_value(loss: Any, grads: Callable[[], torch.Tensor | None], what: str) -> torch.Tensor | None:
-    """The 0-d fp32 value whose finiteness stands for the step's (:func:`loss_total`), for :func:`what_is_checked`'s
-    ``what``; ``grads`` gives the gradients' L1 norm, called only when needed. ``None``: nothing to check."""
-    if what == MANUAL or not isinstance(loss, torch.Tensor):
-        return grads()
-    total = loss_total(loss.detach())
-    if what == ACCUMULATED:
-        summed = grads()
-        if summed is not None:
-            total = total + summed
-    return total
-
-
-class LocalReduceWhileAsync:
-    """Strategy mixin: while an ``exchange`` runs, ``reduce`` inside ``training_step`` returns the rank's own value.
-    Ranks are at different steps there, and a collective would put them back in lockstep (module docstring)."""
-
-    exchange: SSPExchange | None
-    rounds: RoundExchange | None = None
-    sync_stats: StatsRecorder
-    _compensator: StaleGradientCompensation | None = None
-    _apply: ApplyFn | None = None
-    _in_training_step: bool = False
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._in_training_step = True
-        try:
-            ex, compensator, apply = self.exchange, self._compensator, self._apply
-            if ex is not None and compensator is not None and apply is not None and not ex.gated:
-                # Per-step SSP: the gate before the step's first forward (ssp_gate), once per step.
-                what = what_is_checked(self.lightning_module)  # type: ignore[attr-defined]
-                ssp_gate(ex, compensator, apply, self.global_rank, self._on_nonfinite(), what)  # type: ignore[attr-defined]
-            return super().training_step(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._in_training_step = False
-
-    def _on_nonfinite(self) -> Callable[[float], None] | None:
-        """What a non-finite loss in per-step SSP does: ``None`` raises :class:`DivergenceError`."""
-        return None
-
-    def _async_active(self) -> bool:
-        return self.exchange is not None or self.rounds is not None
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if self._in_training_step and self._async_active():
-            return tensor
-        with self._sync_point():
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._sync_point():
-            super().barrier(*args, **kwargs)  # type: ignore[misc]
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._sync_point():
-            return super().broadcast(obj, src)  # type: ignore[misc]
-
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        with self._sync_point():
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
-
-    @contextmanager
-    def _sync_point(self) -> Iterator[None]:
-        """Time a collective of Lightning's outside the training step while training is asynchronous: every rank
-        waits there for the slowest (epoch ends, metric reductions, validation), so it is recorded apart.
-
-        With rounds, a consistent cut comes first. A rank waiting at the staleness bound needs its peers to end their
-        rounds, and a peer inside one of Lightning's collectives never would: a deadlock, found when ranks that
-        claim batches took different numbers of steps and the epoch ended without validation (the epoch-end metric
-        reduction; before the fix rank 0 timed out at round 3 after 60 s). Every rank reaches the same first
-        collective, so that is a consistent point; the cuts after it are clean and cost one metadata all-reduce."""
-        if not self._async_active():
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            self._cut_rounds()
-            yield
-        finally:
-            self.sync_stats.record_sync_point(time.perf_counter() - start)
-
-    def _cut_rounds(self, stop: bool = False) -> None:
-        """A consistent cut of the rounds (if they run), then the optimizer states made one (when anything changed)."""
-        rounds = self.rounds
-        if rounds is None or rounds._thread is None:
-            return
-        with as_divergence(self.global_rank):  # type: ignore[attr-defined]
-            changed = rounds.cut(stop=stop)
-        if changed:
-            self._equal_optimizer_states()
-
-    def _equal_optimizer_states(self) -> None:
-        """After a cut that changed the replicas: every rank's optimizer state made rank 0's (the strategy's way)."""
-        raise NotImplementedError
-
-
-class CutsAtLightningHooks:
-    """Mixin (before ``MergesBeforeUserHooks`` and the Lightning base) for a strategy whose ranks train apart through
-    ``self.rounds`` or ``self.exchange``: validation, ``lightning_module_state_dict`` (checkpoints) and the end of fit
-    happen at a consistent cut (``async_ssp`` and ``async_ssp_sharded``; ``auto_sync`` switches modes and has its
-    own)."""
-
-    rounds: RoundExchange | None
-    exchange: SSPExchange | None
-    sync_stats: StatsRecorder
-    _apply: ApplyFn | None = None
-
-    def _cut(self, stop: bool = False) -> None:
-        """Every update in flight delivered, the replicas (and in round mode the optimizer states) made rank 0's."""
-        start = time.perf_counter()
-        active = self._async_active()  # type: ignore[attr-defined]
-        self._cut_now(stop)
-        if active:
-            self.sync_stats.record_sync_point(time.perf_counter() - start)
-
-    def _cut_now(self, stop: bool) -> None:
-        if self.rounds is not None and self.rounds._thread is not None:
-            self._cut_rounds(stop)  # type: ignore[attr-defined]
-            if stop:
-                _log_rounds(self.rounds)
-        elif self.exchange is not None and self.exchange._thread is not None:
-            self.exchange.cut(self._apply, stop=stop)  # type: ignore[arg-type]
-            what = what_is_checked(self.lightning_module)  # type: ignore[attr-defined]
-            report_nonfinite(self.exchange, self.global_rank, None, what)  # type: ignore[attr-defined]
-            if stop:
-                _log_staleness(self.exchange)
-
-    def on_validation_start(self) -> None:
-        # Not `trainer.training`: Lightning leaves the training stage before this hook, so that test never held and
-        # validation inside fit saw a replica without the updates still in flight.
-        self._cut()  # validate the merged model
-        super().on_validation_start()  # type: ignore[misc]
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._cut()  # all ranks save together: a consistent cut
-        return super().lightning_module_state_dict()  # type: ignore[misc,no-any-return]
-
-    def _merge_replicas(self) -> None:
-        # The model fit() leaves behind (and on_train_end hooks see) is the merged one; the exchange stops on every
-        # rank after the same round.
-        self._cut(stop=True)
 
 
 class AsyncSSPStrategy(
@@ -734,329 +582,3 @@ class AsyncSSPStrategy(
         # exits instead, and the group with it).
         destroy_groups(*((self._warm_group,) if signalled else (self._group, self._warm_group)))
         self._group = self._warm_group = None
-
-
-class _ClaimingLoader(DataLoader):
-    """The training loader under ``claim_batches``: when the budget is used up, the epoch that just ended is the
-    last (``trainer.should_stop``, set when the iterator ends, i.e. before the epoch's last batch has run, so that
-    batch still runs and Lightning validates after it on every rank)."""
-
-    def __init__(self, *args: Any, on_exhausted: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_exhausted = on_exhausted
-
-    def __iter__(self) -> Any:
-        yield from super().__iter__()
-        if self.batch_sampler.exhausted:  # type: ignore[union-attr]
-            self._on_exhausted()
-
-
-def follow_global_progress(
-    module: pl.LightningModule, configs: list[LRSchedulerConfig], steps: Callable[[], int | None] | None
-) -> None:
-    """Make the module's step-interval learning-rate schedulers follow global progress (``steps()``, the steps DDP
-    would have taken by now) rather than this rank's own steps; ``steps=None`` undoes it.
-
-    Why: under ``claim_batches`` a fast rank takes more steps than DDP's per-rank budget and a slow one fewer. A
-    schedule stepped per local step would run a fast rank to the end of its cosine (learning rate near 0) long before
-    the run ends, and leave the slow rank in its warm-up. Each call of Lightning's ``lr_scheduler_step`` instead steps
-    the scheduler as many times as the global step count has moved since (0, 1 or several), so every rank follows
-    one schedule in time. Schedulers without ``last_epoch`` (not torch's) are stepped as before.
-    """
-    if "lr_scheduler_step" in vars(module):
-        del module.lr_scheduler_step  # the module's own (or Lightning's default) method again
-    stepped = {id(c.scheduler) for c in configs if c.interval == "step"}
-    if steps is None or not stepped:
-        return
-    original = module.lr_scheduler_step
-
-    def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-        target, done = steps(), getattr(scheduler, "last_epoch", None)
-        if id(scheduler) not in stepped or target is None or not isinstance(done, int):
-            original(scheduler, metric)
-            return
-        for _ in range(target - done):
-            original(scheduler, metric)
-
-    module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-
-
-DEFAULT_WARMUP_STEPS = 20
-"""``warmup_steps=None``'s synchronous start (``_resolve_warmup``): what ``auto_sync`` does before its first
-decision, and what ``async_ssp_auto_like`` measured with (docs/benchmarks.md)."""
-
-
-def _check_warmup(trainer: pl.Trainer, warmup_steps: int) -> None:
-    """A warm-up must end before the budget: in lockstep, a budget cut inside it could leave one rank a batch
-    short at an average."""
-    if 0 < trainer.max_steps <= warmup_steps:
-        raise ValueError(
-            f"async_ssp(warmup_steps={warmup_steps}) is longer than the run (max_steps={trainer.max_steps}): the "
-            "rounds would never start. HINT: a warm-up of a few percent of max_steps, or warmup_steps=0"
-        )
-
-
-def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
-    """Batches over all ranks for ``claim_batches``; refuses what counts per-rank batches."""
-    if isinstance(trainer.val_check_interval, int):
-        raise ValueError(
-            f"async_ssp(claim_batches=True) validates at epoch ends: ranks train different numbers of batches, so "
-            f"trainer.val_check_interval={trainer.val_check_interval} (every so many batches of each rank) would "
-            "validate at different moments on each rank. HINT: use check_val_every_n_epoch, or claim_batches=False"
-        )
-    for cb in trainer.checkpoint_callbacks:
-        if getattr(cb, "_every_n_train_steps", 0) or getattr(cb, "_train_time_interval", None):
-            raise ValueError(
-                "async_ssp(claim_batches=True): ModelCheckpoint(every_n_train_steps/train_time_interval) counts "
-                "each rank's own steps or clock, which differ across ranks here, so the ranks would save at "
-                "different moments. HINT: checkpoint every_n_epochs, or claim_batches=False"
-            )
-    return trainer.max_steps * world if trainer.max_steps > 0 else None
-
-
-def finite_closure(
-    closure: Callable[[], Any],
-    rank: int,
-    rounds: RoundExchange | None,
-    params: Sequence[torch.Tensor],
-    what: str = LOSS,
-) -> Callable[[], Any]:
-    """``closure``, raising :class:`DivergenceError` on a non-finite loss before the optimizer uses it: the
-    replica's next round would carry the NaN into every other replica. ``what`` (:func:`what_is_checked`): under
-    manual optimization or gradient accumulation the gradients of ``params`` are checked too (:func:`grads_total`).
-
-    On a GPU (any device but the CPU: accelerators run ahead of the host), reading the check back every step would
-    be a host sync per step; there the losses are summed on the device over the round
-    (``RoundExchange.note_loss``), and the round's end reads the sum once (raised through :func:`as_divergence`), still
-    before its pseudo-gradient leaves the rank."""
-
-    def wrapped() -> Any:
-        loss = closure()
-        value = checked_value(loss, lambda: grads_total(params), what)
-        if value is None:
-            return loss
-        if value.device.type != "cpu" and rounds is not None:
-            rounds.note_loss(value)
-            return loss
-        if not math.isfinite(value.item()):
-            where = f"round {rounds.launched}" if rounds is not None else "a step"
-            raise DivergenceError(
-                f"rank {rank}: {what} is {value.item()} in {where} under async training; stopped before this "
-                "replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher to fall "
-                "back to synchronous training"
-            )
-        return loss
-
-    return wrapped
-
-
-@contextmanager
-def as_divergence(rank: int) -> Iterator[None]:
-    """A round refused for a non-finite loss (on a GPU, at the round's end: ``finite_closure``) raised as
-    :class:`DivergenceError`, around ``rounds.after_step()`` and ``rounds.cut()``; a SIGTERM that arrived while the
-    rank waited for a round (:class:`RoundsStopped`) as Lightning's ``SIGTERMException``, the rounds in flight
-    dropped."""
-    try:
-        yield
-    except RoundsStopped as err:
-        raise SIGTERMException() from err
-    except NonFiniteRoundError as err:
-        raise DivergenceError(
-            f"rank {rank}: a loss or a gradient was not finite (nan or inf) in round {err.index} under async "
-            "training; stopped "
-            "before this replica's progress reached the others. HINT: lower the learning rate, or use SyncSwitcher "
-            "to fall back to synchronous training"
-        ) from err
-
-
-def check_async_fit(optimizers: list[Optimizer], precision: Any, name: str) -> Optimizer:
-    """What async training needs of the fit; returns its optimizer. One optimizer: a second one's steps would be
-    counted as gradients of the first's. No fp16 ``GradScaler``: the gradients leave the rank still scaled."""
-    if getattr(precision, "scaler", None) is not None:
-        raise ValueError(
-            f"{name} cannot train with fp16 loss scaling (precision='16-mixed'): gradients are shipped before the "
-            "scaler would unscale them. HINT: use precision='bf16-mixed' or '32-true'"
-        )
-    if len(optimizers) != 1:
-        raise ValueError(
-            f"{name} trains with exactly one optimizer, this module configures {len(optimizers)}. HINT: return one "
-            "optimizer (with several param groups if needed) from configure_optimizers, or use hier_sync/ddp"
-        )
-    return optimizers[0]
-
-
-def server_update(optimizer: Optimizer, params: Sequence[torch.Tensor], module: pl.LightningModule) -> ApplyFn:
-    """How a replica applies one server update of :class:`SSPExchange`: the mean gradient into ``p.grad``, the
-    module's gradient clipping (DDP clips the mean gradient too), the update's learning rates, ``optimizer.step()``.
-    The optimizer is the raw one: Lightning's wrapper would call back into the strategy."""
-    opt = unwrap_optimizer(optimizer)
-
-    @torch.no_grad()
-    def apply(grad: torch.Tensor, lrs: list[float]) -> None:
-        # A gradient already on the replica (earlier micro-batches under gradient accumulation, or manual
-        # optimization's backward, both before the step's optimizer call) is set aside and put back: the update
-        # steps the optimizer through p.grad. Dropping it lost those gradients (measured: 7 of 12 steps' with
-        # accumulate_grad_batches=2 at 2 ranks).
-        held = [p.grad for p in params]
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = grad[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
-        trainer = module._trainer
-        if trainer is not None and module.automatic_optimization:
-            module.configure_gradient_clipping(opt, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        old = [group["lr"] for group in opt.param_groups]
-        for group, lr in zip(opt.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        try:
-            opt.step()
-        finally:
-            for group, lr in zip(opt.param_groups, old, strict=True):
-                group["lr"] = lr
-            for p, g in zip(params, held, strict=True):
-                p.grad = g
-
-    return apply
-
-
-def learning_rates(optimizer: Optimizer) -> list[float]:
-    """The learning rate of each param group (shipped with each gradient)."""
-    return [float(group["lr"]) for group in unwrap_optimizer(optimizer).param_groups]
-
-
-def ssp_optimizer_step(
-    ex: SSPExchange,
-    compensator: StaleGradientCompensation,
-    apply: ApplyFn,
-    optimizer: Optimizer,
-    rank: int,
-    closure: Callable[[], Any],
-    run_step: Callable[[Callable[[], Any]], Any],
-    on_nonfinite: Callable[[float], None] | None = None,
-    what: str = LOSS,
-) -> Any:
-    """One step under SSP (also ``auto_sync``'s async mode): the gate, the server updates that arrived, the closure
-    (forward and backward on this replica), the compensation of the stale gradient, and the gradient shipped.
-
-    Lightning's own optimizer step runs with every gradient taken away (a no-op for torch's optimizers, which skip
-    parameters without one); the replica changes only through server updates (``apply``), which carry everyone's
-    gradients, this rank's included. A non-finite loss raises :class:`DivergenceError` before the gradient leaves the
-    rank; with ``on_nonfinite`` it is reported there instead and this step's gradient is dropped, so a policy can
-    restore a good state without the NaN having reached any replica.
-
-    ``what`` (:func:`what_is_checked`): the loss, or with it or in its place the gradient. On the CPU that is
-    checked here, at once. On an accelerator reading it back would be a host sync per step, so
-    the gradient is zeroed on the device when the loss is not finite, and the exchange's thread reads the loss when
-    the gradient's round starts and drops it from the round (``SSPExchange.ship``); the error (or ``on_nonfinite``)
-    comes at the next step or cut (:func:`report_nonfinite`), still before the NaN reached any replica.
-    """
-    ssp_gate(ex, compensator, apply, rank, on_nonfinite, what)  # passed already when training_step ran (the rule)
-    params = ex.tensors
-    read = ex.read_weights
-    taken: dict[str, torch.Tensor] = {}
-    bad: list[float] = []
-
-    def wrapped() -> Any:
-        loss = closure()
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
-        )
-        # The gradients' L1 norm, as grads_total gives it (and the errors name it): one reduction over flat, as its sum
-        # would be.
-        total = checked_value(loss, lambda: torch.linalg.vector_norm(flat, 1), what)
-        assert total is not None  # the gradient is always there to check
-        if total.device.type == "cpu":
-            if not math.isfinite(total.item()):
-                if on_nonfinite is None:
-                    _raise_nonfinite(rank, total.item(), ex.clock, what)
-                bad.append(total.item())
-        else:
-            # Zeroed before the compensation, whose running statistics a NaN would spoil (SSPExchange.ship checks).
-            taken["loss"] = total
-            flat.masked_fill_(~torch.isfinite(total), 0.0)
-        taken["grad"] = flat
-        for p in params:
-            p.grad = None  # the optimizer step Lightning runs next leaves the replica alone
-        return loss
-
-    out = run_step(wrapped)
-    if "grad" not in taken:
-        ex.ungate()  # the optimizer skipped the closure: nothing to ship, and the next step passes the gate again
-        return out
-    if bad:
-        assert on_nonfinite is not None
-        on_nonfinite(bad[0])
-        ex.ship(None, learning_rates(optimizer))  # dropped: the clock moves on, nothing is sent
-        return out
-    # Server updates that formed during forward/backward: applied now, and the gradient compensated for them.
-    if ex.apply_ready(apply):
-        delta = ex.flat() - read if read is not None else None
-        grad = compensator.apply(taken["grad"], delta, ex.updates_since_read)
-    else:
-        grad = compensator.apply(taken["grad"], None, 0)
-    # Zeroed above when the loss is not finite, and the compensation keeps a zero gradient zero (every kind scales it).
-    ex.ship(grad, learning_rates(optimizer), loss=taken.get("loss"), masked=True)
-    return out
-
-
-def ssp_gate(
-    ex: SSPExchange,
-    compensator: StaleGradientCompensation,
-    apply: ApplyFn,
-    rank: int,
-    on_nonfinite: Callable[[float], None] | None = None,
-    what: str = LOSS,
-) -> None:
-    """The start of a per-step SSP step, before its first forward: the gradients the exchange's thread dropped
-    (:func:`report_nonfinite`), the SSP gate, the server updates formed so far, and for DC-ASGD a copy of the
-    weights read (a full copy of the model per step). Once per step: a no-op until the step ships.
-
-    The strategies call it from ``training_step``, so every micro-batch of a step under gradient accumulation, and
-    manual optimization's backward inside ``training_step``, compute on the weights the gate let through, as the
-    bound says; from the optimizer call instead, the earlier micro-batches would read weights one update short."""
-    if ex.gated:
-        return
-    report_nonfinite(ex, rank, on_nonfinite, what)
-    ex.begin_step(apply, keep_read=compensator.needs_delta)
-
-
-def report_nonfinite(
-    ex: SSPExchange, rank: int, on_nonfinite: Callable[[float], None] | None = None, what: str = LOSS
-) -> None:
-    """The gradients ``ex``'s thread dropped for a non-finite loss (on an accelerator: ``ssp_optimizer_step``):
-    :class:`DivergenceError` naming ``what`` was checked, or each one to ``on_nonfinite``. Called at every step and
-    after every cut."""
-    for clock, value in ex.pop_nonfinite():
-        if on_nonfinite is None:
-            _raise_nonfinite(rank, value, clock, what)
-        on_nonfinite(value)
-
-
-def _raise_nonfinite(rank: int, value: float, clock: int, what: str = LOSS) -> NoReturn:
-    raise DivergenceError(
-        f"rank {rank}: {what} is {value} at clock {clock} under async training; stopped before the gradient reached "
-        "the other replicas. HINT: lower the learning rate or the staleness, or use SyncSwitcher to fall back to "
-        "synchronous training"
-    )
-
-
-def _log_staleness(ex: SSPExchange) -> None:
-    gaps, versions = ex.stats.clock_gaps, ex.stats.version_staleness
-    if gaps and versions:
-        log.info(
-            "async_ssp: %d rounds; clock gap mean %.2f max %d; version staleness mean %.2f max %d",
-            ex.stats.rounds, sum(gaps) / len(gaps), max(gaps), sum(versions) / len(versions), max(versions),
-        )  # fmt: skip
-
-
-def _log_rounds(rounds: RoundExchange) -> None:
-    st = rounds.stats
-    if st.local_steps:
-        log.info(
-            "async_ssp: %d rounds delivered; local steps per round mean %.1f (min %d, max %d); lag mean %.2f max %d; "
-            "%.2f s waited on the staleness bound; %d rounds ended with no step to catch up after a pause; %s",
-            st.rounds, sum(st.local_steps) / len(st.local_steps), min(st.local_steps), max(st.local_steps),
-            sum(st.lags) / max(len(st.lags), 1), max(st.lags, default=0), st.wait_s, st.catch_up,
-            rounds.length.describe(),
-        )  # fmt: skip

@@ -48,6 +48,13 @@ from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._async_cuts import CutsAtLightningHooks, LocalReduceWhileAsync
+from lightning_syncasync.strategies._async_step import (
+    as_divergence,
+    check_async_fit,
+    finite_closure,
+    what_is_checked,
+)
 from lightning_syncasync.strategies._checks import check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state
@@ -55,14 +62,6 @@ from lightning_syncasync.strategies._round_length import round_length
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.async_ssp import (
-    CutsAtLightningHooks,
-    LocalReduceWhileAsync,
-    as_divergence,
-    check_async_fit,
-    finite_closure,
-    what_is_checked,
-)
 
 log = logging.getLogger(__name__)
 

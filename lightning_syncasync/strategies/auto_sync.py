@@ -60,6 +60,16 @@ from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, gr
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES, ModeUnavailableError
 from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.strategies._async_cuts import LocalReduceWhileAsync
+from lightning_syncasync.strategies._async_step import (
+    check_async_fit,
+    checked_value,
+    learning_rates,
+    report_nonfinite,
+    server_update,
+    ssp_optimizer_step,
+    what_is_checked,
+)
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
@@ -69,16 +79,6 @@ from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_grou
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers, drop_added_callback_states
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.async_ssp import (
-    LocalReduceWhileAsync,
-    check_async_fit,
-    checked_value,
-    learning_rates,
-    report_nonfinite,
-    server_update,
-    ssp_optimizer_step,
-    what_is_checked,
-)
 
 log = logging.getLogger(__name__)
 

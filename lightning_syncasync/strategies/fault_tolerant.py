@@ -65,13 +65,13 @@ from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression.summable import SUMMABLE
 from lightning_syncasync.algorithms.stats import StatsRecorder
+from lightning_syncasync.strategies._async_step import DivergenceError
 from lightning_syncasync.strategies._checks import check_kwargs
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.async_ssp import DivergenceError
 
 log = logging.getLogger(__name__)
 
