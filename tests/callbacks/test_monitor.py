@@ -242,7 +242,7 @@ def test_bad_smoothing_is_rejected():
 def test_optimizer_state_bytes_counts_the_moments_and_unwraps_wrappers():
     import torch
 
-    from lightning_syncasync.callbacks.monitor import _optimizer_state_bytes
+    from lightning_syncasync.callbacks._summary import _optimizer_state_bytes
 
     params = [torch.nn.Parameter(torch.zeros(10, 10)), torch.nn.Parameter(torch.zeros(5))]
     opt = torch.optim.Adam(params)
@@ -261,7 +261,7 @@ def test_optimizer_state_bytes_counts_the_moments_and_unwraps_wrappers():
 
 
 def test_summary_printout_lists_policy_events(capsys):
-    from lightning_syncasync.callbacks.monitor import _print_summary
+    from lightning_syncasync.callbacks._summary import print_summary_table
 
     rank = {"rank": 0, "steps": 10, "samples_per_s": 5.0, "compute_s_per_step": 0.1, "wait_s_per_step": 0.01,
             "wait_frac": 0.1, "bytes_intra_per_step": 0, "bytes_inter_per_step": 0, "staleness_mean": 0.0,
@@ -270,7 +270,7 @@ def test_summary_printout_lists_policy_events(capsys):
                "ranks": [rank], "global_samples_per_s": 5.0,
                "events": [{"kind": "switch", "step": 4, "train_s": 1.5, "mode": "sync", "next": "hier",
                            "reason": "communication 71% >= 35% of the step: hierarchical sync"}]}  # fmt: skip
-    _print_summary(summary, "run/summary.json")
+    print_summary_table(summary, "run/summary.json")
     out = capsys.readouterr().out
     assert "events: 1 switch" in out
     assert "step 4 (1.5 s) switch: sync -> hier: communication 71% >= 35% of the step: hierarchical sync" in out
@@ -307,7 +307,7 @@ def test_two_dozen_events_print_as_a_few_short_lines_with_every_switch_and_no_ra
 
 
 def test_summary_header_names_the_codec_and_the_strategys_notes(capsys):
-    from lightning_syncasync.callbacks.monitor import _codec, _print_summary
+    from lightning_syncasync.callbacks._summary import _codec, print_summary_table
 
     class Strategy:  # the two attributes every compressing strategy of the pack has
         compression, compression_options = "topk", {"ratio": 0.01}
@@ -321,7 +321,7 @@ def test_summary_header_names_the_codec_and_the_strategys_notes(capsys):
     summary = {**rank, "strategy": "HierSyncStrategy", "mode": "sync", "world_size": 2, "num_nodes": 1,
                "ranks": [rank], "global_samples_per_s": 5.0, "compression": "int8",
                "notes": ["one node: every step was plain DDP"]}  # fmt: skip
-    _print_summary(summary)
+    print_summary_table(summary)
     out = capsys.readouterr().out
     header = out.split("┏")[0]  # above the table
     assert "(mode sync, compression int8)" in header and "NOTE: one node: every step was plain DDP" in header

@@ -353,7 +353,7 @@ def test_one_rank_says_it_is_plain_lightning_and_names_the_virtual_nodes(tmp_pat
 @pytest.mark.timeout(200)
 def test_virtual_nodes_from_the_registered_name(tmp_path):
     import lightning_syncasync  # noqa: F401  (registers hier_sync_virtual)
-    from lightning_syncasync.callbacks.monitor import _topology_text
+    from lightning_syncasync.callbacks._summary import _topology_text
 
     out = tmp_path / "virtual"
     out.mkdir()
