@@ -20,7 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms.averaging.elastic import ElasticRounds, make_manager
+from lightning_syncasync.algorithms.averaging.elastic import ElasticRounds
+from lightning_syncasync.algorithms.averaging.ft_manager import make_manager
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
 
 

@@ -53,23 +53,37 @@ server and gloo sockets; never the launcher's loopback ``MASTER_ADDR`` unless th
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_, broadcast_object
-from lightning_syncasync.algorithms._flat import add_flat_, copy_flat_
-from lightning_syncasync.algorithms.averaging.ft_host import advertised_host
+from lightning_syncasync.algorithms._comm import CommThread, all_gather_flat, all_reduce_
+from lightning_syncasync.algorithms.averaging._elastic_apply import (
+    ModelMismatchError,
+    _Applies,
+    _fingerprint,
+    model_signature,
+)
+from lightning_syncasync.algorithms.averaging._elastic_round import (
+    _COMPRESSED,
+    _HEADER,
+    _STOPPING,
+    ElasticStats,
+    _agrees,
+    _Flight,
+)
+from lightning_syncasync.algorithms.averaging.ft_manager import (
+    FT_HINT,
+    LIGHTHOUSE_ENV,
+    QuorumManager,
+    make_manager,
+    require_torchft,
+)
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
 from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.algorithms.compression.summable import LEVELS, SUMMABLE, compress_summable
@@ -77,38 +91,25 @@ from lightning_syncasync.algorithms.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticRounds", "ModelMismatchError", "QuorumError", "QuorumManager"]
-
-# The header of a round, summed over the groups: contributing groups, present groups, the model's size, its
-# fingerprint, summed step times (s) and the number of groups that measured one, samples, groups ending their fit.
-_HEADER = 9
-_STOPPING = 7
-_COMPRESSED = 8  # groups that ask for a compressed body (every group present must, or the round is exact)
+# ElasticStats, FT_HINT, LIGHTHOUSE_ENV, make_manager and require_torchft were defined here: still importable from here.
+__all__ = [
+    "FT_HINT",
+    "LIGHTHOUSE_ENV",
+    "ElasticRounds",
+    "ElasticStats",
+    "ModelMismatchError",
+    "QuorumError",
+    "QuorumManager",
+    "check_elastic",
+    "make_manager",
+    "require_torchft",
+]
 
 _HEAL_KEY = "syncasync_elastic"
 
 
-class QuorumManager(Protocol):
-    """What :class:`ElasticRounds` uses of ``torchft.Manager`` (typed here so this module imports no torchft)."""
-
-    def start_quorum(self) -> None: ...
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = ...) -> Any: ...
-    def should_commit(self) -> bool: ...
-    def num_participants(self) -> int: ...
-    def current_step(self) -> int: ...
-    def errored(self) -> Any: ...
-    def report_error(self, e: Exception) -> None: ...
-    def register_state_dict_fn(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None: ...
-    def disallow_state_dict_read(self) -> None: ...
-    def allow_state_dict_read(self) -> None: ...
-
-
 class QuorumError(RuntimeError):
     """No quorum of replica groups formed in time (the Lighthouse unreachable, too few nodes alive)."""
-
-
-class ModelMismatchError(ValueError):
-    """A joiner's model (or optimizer) is not the quorum's: the message names the first parameter that differs."""
 
 
 def check_elastic(local_steps: int, staleness: int, min_replicas: int, max_replicas: int | None) -> None:
@@ -131,75 +132,7 @@ def check_elastic(local_steps: int, staleness: int, min_replicas: int, max_repli
         )
 
 
-def model_signature(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
-    """The parameter names and shapes a joiner compares with the quorum's."""
-    return [(n, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
-
-
-def _fingerprint(signature: list[tuple[str, tuple[int, ...]]]) -> int:
-    # 20 bits: summed over up to thousands of groups in fp64 it stays exact.
-    return int(hashlib.sha1(repr(signature).encode()).hexdigest()[:5], 16)
-
-
-def first_difference(ours: list[tuple[str, tuple[int, ...]]], theirs: list[tuple[str, tuple[int, ...]]]) -> str | None:
-    """A sentence naming the first parameter where two signatures differ, or ``None`` when they agree."""
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):  # a length difference is reported below
-        if a != b:
-            return f"parameter {i}: this node has {a[0]!r} of shape {a[1]}, the quorum has {b[0]!r} of shape {b[1]}"
-    if len(ours) != len(theirs):
-        longer, which = (ours, "this node") if len(ours) > len(theirs) else (theirs, "the quorum")
-        extra = longer[min(len(ours), len(theirs))]
-        return f"{which} has {len(longer)} parameters, the first extra one {extra[0]!r} of shape {extra[1]}"
-    return None
-
-
-@dataclass
-class ElasticStats:
-    """What the rounds did (per rank)."""
-
-    committed: int = 0  # rounds committed and applied here
-    failed: int = 0  # rounds not committed (their progress carried into the next)
-    participants: list[int] = field(default_factory=list)  # groups present in each committed round
-    committed_at: list[float] = field(default_factory=list)  # wall clock (time.time()) of each commit
-    heals: int = 0  # times this group took a live peer's state
-    healed_at: float | None = None  # wall clock of the last heal
-    joined_at: float | None = None  # wall clock when join() began (a joiner's wait for the others' round starts)
-    samples_committed: int = 0  # this group's samples in committed rounds (this rank's view)
-    samples_discarded: int = 0  # this group's samples dropped by a heal (its progress replaced by the quorum's)
-    wait_s: float = 0.0  # the training loop's time blocked on rounds (its parts: wait_exchange_s + the main thread's)
-    # Where a round's time goes, summed over the rounds (s). On the exchange thread with staleness=1, overlapped with
-    # the next round's steps: torchft's quorum, the header's and the body's all-reduces, torchft's vote
-    # (should_commit: a call to the node's manager server and a barrier over the node's ranks). On the training loop:
-    # waiting for a round's exchange to end (what of the above the steps did not hide), the node's heal check (at
-    # torchft step 0 only), and applying the round (the outer step, the node's all-gather, the copy into the model).
-    quorum_s: float = 0.0
-    header_s: float = 0.0
-    body_s: float = 0.0
-    vote_s: float = 0.0
-    wait_exchange_s: float = 0.0
-    heal_check_s: float = 0.0
-    apply_s: float = 0.0
-    # (torchft step after the commit, groups present, groups contributing, this group's samples) per committed round
-    history: list[tuple[int, int, int, int]] = field(default_factory=list)
-    # (the torchft step the round commits as if it commits, this group's samples) per round launched
-    launches: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class _Flight:
-    delta: torch.Tensor  # this rank's shard of the group's pseudo-gradient
-    samples: int
-    payload: torch.Tensor  # header + body, summed over the groups once the future is done
-    future: Future[tuple[bool, bool]]  # (the header agreed and the body was exchanged, torchft's vote)
-    launched_at: float
-    first: bool = False  # launched at torchft step 0, where the ranks of a group may disagree about healing
-    owed: torch.Tensor | None = None  # delta plus this group's compression residual: what it sends this round
-    kept: torch.Tensor | None = None  # a compressed round's new residual (taken if the round commits)
-    vote_error: BaseException | None = None  # should_commit raised (the main thread re-raises it)
-    phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # quorum, header, body, vote (s)
-
-
-class ElasticRounds:
+class ElasticRounds(_Applies):
     """Rounds of pseudo-gradients across torchft replica groups; membership may change at every round.
 
     Args:
@@ -597,115 +530,6 @@ class ElasticRounds:
         self._residual = rnd.kept  # an exact round sent (and so flushed) the residual: None
         return True
 
-    def _carry_back(self, rnd: _Flight) -> None:
-        self._carry = rnd.delta if self._carry is None else self._carry + rnd.delta
-        self._carry_samples += rnd.samples
-
-    def _apply(self, rnd: _Flight, header: torch.Tensor, replace: bool) -> None:
-        start = time.perf_counter()
-        contributors = int(round(float(header[0])))
-        present = int(round(float(header[1])))
-        if header[5] > 0:
-            mean_step = float(header[4] / header[5])
-            if self.dynamic:
-                self._round_s = self.local_steps * mean_step
-        if contributors > 0:
-            grad = rnd.payload[_HEADER : _HEADER + self.shard_numel] / contributors
-            step = self.outer.step(grad)
-        else:
-            step = torch.zeros_like(rnd.delta)
-        self.anchor = self.anchor - step
-        if replace or self.staleness == 0:
-            # Nothing was learned since the snapshot (a cut, or a synchronous round): the tensors become the anchor,
-            # bitwise the same on every group.
-            copy_flat_(self.tensors, self._gather(self.anchor)[: self.numel])
-            self._base = self.anchor.clone()
-            if replace and self.counters and present > 0:
-                counts = rnd.payload[_HEADER + self.shard_numel :].double() / present
-                copy_flat_(self.counters, counts.round().to(torch.int64))
-        else:
-            correction = rnd.delta - step  # this group's own progress out, the global step in
-            add_flat_(self.tensors, self._gather(correction)[: self.numel])
-            self._base += correction
-        self.last_participants = present
-        self.stats.committed += 1
-        self.stats.participants.append(present)
-        self.stats.committed_at.append(time.time())
-        self.stats.samples_committed += rnd.samples
-        self.stats.history.append((self.manager.current_step(), present, contributors, rnd.samples))
-        self.stats.apply_s += time.perf_counter() - start
-
-    def _finish_heal(self, healed: dict[str, Any], rnd: _Flight, header: torch.Tensor, committed: bool) -> None:
-        """This group took a live peer's state (inside should_commit): it becomes the peer's global model, then the
-        round (which it took part in with nothing) is applied to it as to everyone.
-
-        Each rank of the group healed from its own peer, which sent its state between two of its steps: the ranks
-        of that group need not have been at the same point then. What the group's ranks must agree on (the inner
-        optimizer state, the loop's counters, how far the peers were into their next round) is local rank 0's."""
-        if self.node_group is not None and self.node_size > 1:
-            shared = {"extra": healed.get("extra"), "round_steps": healed.get("round_steps")}
-            healed = {**healed, **broadcast_object(shared, dist.get_global_rank(self.node_group, 0), self.node_group)}
-        if self.extra_state is not None and healed.get("extra") is not None:
-            self.extra_state[1](healed["extra"])
-        self.outer.load_state_dict(healed["outer"])
-        self.anchor = healed["anchor"].to(self.anchor.dtype).clone()
-        self._round_s = healed.get("round_s")
-        self.stats.committed = int(healed["committed"])
-        self.stats.heals += 1
-        self.stats.healed_at = time.time()
-        self.stats.samples_discarded += rnd.samples + self._carry_samples
-        self._carry, self._carry_samples = None, 0
-        self._residual = None  # this group's own held-back progress, replaced with the rest of its state
-        if committed:
-            self._apply(rnd, header, replace=True)
-        else:
-            copy_flat_(self.tensors, self._gather(self.anchor)[: self.numel])
-            self._base = self.anchor.clone()
-        # After the round: its counts held this group's own (zeros for a new group), the peer's are the job's.
-        for counter, value in zip(self.counters, healed.get("counters") or (), strict=False):
-            counter.copy_(value)
-        if self.on_heal is not None:
-            # With staleness 1 the peer had taken `round_steps` steps of its next round when it sent its state, and
-            # commits this round after `local_steps` of them (rounds of a fixed step count).
-            done = healed.get("round_steps")
-            behind = 0 if done is None or self.dynamic else self.local_steps - int(done)
-            self.on_heal(max(behind, 0))
-
-    # -- the heal's state ------------------------------------------------------------------------------------------
-
-    def _heal_state(self) -> dict[str, Any]:
-        """What a joiner receives (read by torchft's quorum thread, between two optimizer steps)."""
-        state: dict[str, Any] = {
-            "signature": self.signature,
-            "anchor": self.anchor.clone(),
-            "outer": self.outer.state_dict(),
-            "round_s": self._round_s,
-            "committed": self.stats.committed,
-            # Steps this group will take between this heal and the round's commit: with staleness 1 the round in
-            # flight commits at the end of the next one, of which `_steps` are done.
-            "round_steps": None if self._gated or self.staleness == 0 else self._steps,
-            "counters": [c.detach().cpu().clone() for c in self.counters],
-        }
-        if self.extra_state is not None:
-            state["extra"] = self.extra_state[0]()
-        return state
-
-    def _load_heal(self, state: dict[str, Any]) -> None:
-        """torchft's call when this group heals (inside ``start_quorum``, so on the exchange thread with
-        ``staleness=1``): check, then keep it; :meth:`_finish_heal` applies it on the main thread."""
-        diff = first_difference(self.signature, [(n, tuple(s)) for n, s in state["signature"]])
-        if diff is not None:
-            raise ModelMismatchError(
-                f"this node's model is not the one the running job trains: {diff}. HINT: start the node with the "
-                "same LightningModule and hyperparameters as the others"
-            )
-        if state["anchor"].numel() != self.shard_numel:
-            raise ModelMismatchError(
-                f"the live peer's shard has {state['anchor'].numel()} elements, this rank's {self.shard_numel}; HINT: "
-                "every node needs the same number of ranks (devices) and the same model"
-            )
-        self._healed = state
-
     # -- shards ----------------------------------------------------------------------------------------------
 
     def _flat(self) -> torch.Tensor:
@@ -724,128 +548,3 @@ class ElasticRounds:
         out = torch.empty(self.shard_numel * self.node_size, dtype=shard.dtype, device="cpu")
         all_gather_flat(out, shard.contiguous(), self.node_group)
         return out
-
-
-def _agrees(header: torch.Tensor, numel: int, fingerprint: int) -> bool:
-    """Whether every group present sent the same model size and fingerprint (sums over the groups)."""
-    present = float(header[1])
-    return present > 0 and float(header[2]) == present * numel and float(header[3]) == present * fingerprint
-
-
-FT_HINT = 'HINT: pip install "lightning-syncasync[ft]"'
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-
-
-def require_torchft(owner: str) -> Any:
-    """``import torchft``, or an ``ImportError`` that says how to install it."""
-    # The Rust side (the Lighthouse client and the manager server) logs every quorum at INFO to stderr; its logger
-    # reads RUST_LOG once, when the extension loads. Warnings and errors only, unless the user chose a level.
-    os.environ.setdefault("RUST_LOG", "warn")
-    try:
-        import torchft
-    except ImportError as err:
-        raise ImportError(
-            f"{owner} needs torchft (PyTorch's fault-tolerance library), which is not installed. {FT_HINT}"
-        ) from err
-    return torchft
-
-
-def make_manager(
-    owner: str,
-    rank: int,
-    world_size: int,
-    replica_id: str,
-    lighthouse: str,
-    min_replicas: int,
-    timeout_s: float,
-    quorum_timeout_s: float,
-    connect_timeout_s: float = 10.0,
-    store_addr: str | None = None,
-    store_port: int | None = None,
-) -> Any:
-    """This rank's ``torchft.Manager``: one per rank of a replica group (rank 0 runs the group's manager server;
-    the group's TCPStore, the one ``init_process_group`` started, must exist), with a process group that torchft
-    reconfigures over this local rank of every group present.
-
-    ``use_async_quorum=False``: a group that heals takes the live peer's state before the round's exchange and then
-    takes part in it, and nothing it computed before healing is mixed into the quorum's model.
-
-    gloo on every device: the rounds exchange a CPU copy of the shard (what ``SYNCASYNC_EXCHANGE_BACKEND=gloo`` does
-    for the other strategies' background exchanges). torchft's ``ProcessGroupNCCL`` would keep a GPU job's exchange on
-    the device; it is not used until it has been run on a GPU (docs/fault_tolerance.md)."""
-    torchft = require_torchft(owner)
-    timeout = timedelta(seconds=timeout_s)
-    # Every address the other nodes use to reach this node is the advertised one (advertised_host): the group's
-    # store (the one the launcher started: it listens on every interface), the manager server, the checkpoint
-    # server, and the exchange's gloo sockets.
-    host = advertised_host(lighthouse)
-    if store_addr is None:
-        store_addr, store_port = host, store_port or int(os.environ["MASTER_PORT"])
-    own_device = not os.environ.get("GLOO_SOCKET_IFNAME")
-    pg = _gloo_at(torchft, host, timeout) if own_device else torchft.ProcessGroupGloo(timeout=timeout)
-    return torchft.Manager(
-        pg=pg,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=min_replicas,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=quorum_timeout_s),
-        connect_timeout=timedelta(seconds=connect_timeout_s),
-        rank=rank,
-        world_size=world_size,
-        store_addr=store_addr,
-        store_port=store_port,
-        lighthouse_addr=lighthouse,
-        replica_id=replica_id,
-        hostname=host,
-        checkpoint_transport=_transport(torchft, host, timeout),
-        init_sync=True,
-    )
-
-
-def _gloo_at(torchft: Any, host: str, timeout: timedelta) -> Any:
-    """torchft's reconfigurable gloo group, with its sockets on ``host``. gloo's default device is the hostname's
-    address, which is loopback where ``/etc/hosts`` maps the hostname to 127.0.0.1 (containers, network namespaces):
-    the peers would then be told to connect to their own loopback. ``GLOO_SOCKET_IFNAME``, when set, wins (the
-    caller keeps torchft's own group then). The body is torchft 0.2's ``_create_pg`` with a device in the options."""
-    from torch.distributed import ProcessGroup
-    from torch.distributed import ProcessGroupGloo as BaseGloo
-
-    class _GlooAt(torchft.ProcessGroupGloo):
-        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-            options = BaseGloo._Options()
-            options._timeout = self._timeout
-            options._devices = [BaseGloo.create_device(hostname=host)]
-            pg = ProcessGroup(store, rank, world_size)
-            pg._set_default_backend(ProcessGroup.BackendType.GLOO)
-            backend = BaseGloo(store, rank, world_size, options)
-            backend._set_sequence_number_for_group()
-            if self._global_ranks:
-                backend.options.global_ranks_in_group = self._global_ranks
-            if self._group_rank and self._group_world_size:
-                backend.options.group_name = (
-                    f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
-                )
-            for device in ("cpu", "cuda"):
-                if device == "cpu" or torch.cuda.is_available():
-                    pg._register_backend(torch.device(device), ProcessGroup.BackendType.GLOO, backend)
-            return pg
-
-    return _GlooAt(timeout=timeout)
-
-
-def _transport(torchft: Any, host: str, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, advertised at ``host`` (torchft's own uses the hostname, which emulated
-    nodes share)."""
-    from torchft.checkpointing import HTTPTransport
-
-    class _HostTransport(HTTPTransport):
-        def address(self) -> str:
-            return super().address().replace(f"//{socket.gethostname()}:", f"//{host}:", 1)
-
-    transport = _HostTransport(timeout=timeout, num_chunks=0)
-    # http.server prints an access line to stderr for every state a joiner fetches ("GET /checkpoint/16/full HTTP/1.1"
-    # 200): noise in a user's run. The handler class is this transport's own (torchft defines it per server).
-    transport._server.RequestHandlerClass.log_message = lambda *args: None
-    return transport
