@@ -51,6 +51,12 @@ def _omegaconf_type(annotation: Any) -> Any:
     return Any
 
 
+def _options_class(annotation: Any) -> type | None:
+    """The dataclass in ``X | None`` (or ``X``), for a strategy's ``options`` parameter; else ``None``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) and isinstance(args[0], type) else None
+
+
 def _default_field(default: Any) -> Any:
     if default is inspect.Parameter.empty:
         return field(default=MISSING)
@@ -58,6 +64,8 @@ def _default_field(default: Any) -> Any:
         return field(default=default)
     if isinstance(default, (list, tuple)) and all(isinstance(v, _PRIMITIVES) for v in default):
         return field(default_factory=lambda d=tuple(default): list(d))
+    if isinstance(default, dict) and not default:
+        return field(default_factory=dict)
     raise TypeError(f"default {default!r} cannot be represented in a config")
 
 
@@ -91,10 +99,22 @@ def builds(
         ("_target_", str, field(default=f"{target.__module__}.{target.__qualname__}"))
     ]
     excluded = set(exclude) | {"self"}
+    is_dataclass = dataclasses.is_dataclass(target)
+    factories = {f.name: f.default_factory for f in dataclasses.fields(target)} if is_dataclass else {}
     for name, param in signature.parameters.items():
         if name in excluded or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
+        nested = _options_class(hints.get(name))
+        if nested is not None:
+            # A strategy's options object (strategies/options.py): a nested node, so `strategy.options.outer=...`
+            # is checked against its fields, and instantiating builds the object.
+            schema = builds(nested)
+            fields.append((name, schema, field(default_factory=schema)))
+            continue
         default = overrides.get(name, param.default)
+        factory = factories.get(name, dataclasses.MISSING)
+        if factory is not dataclasses.MISSING:
+            default = factory()  # a dataclass field's default_factory (a dict or list)
         try:
             default_field = _default_field(default)
         except TypeError:

@@ -53,6 +53,7 @@ from lightning_syncasync.strategies.fault_tolerant import FaultTolerantStrategy,
 from lightning_syncasync.strategies.hier_sync import HierSyncStrategy
 from lightning_syncasync.strategies.hier_sync_sharded import ShardedHierSyncStrategy
 from lightning_syncasync.strategies.measured_ddp import MeasuredDDPStrategy
+from lightning_syncasync.strategies.options import HierSyncOptions
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bad_input.md"
 ENV_WRITE_DOCS = "SYNCASYNC_WRITE_DOCS"
@@ -196,7 +197,7 @@ def _fit_with_step_checkpoints() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             accelerator="cpu", devices=1, max_steps=1, logger=False, default_root_dir=tmp,
-            strategy=AsyncSSPStrategy(claim_batches=True), callbacks=[ModelCheckpoint(every_n_train_steps=5)],
+            strategy=AsyncSSPStrategy(batches="claim"), callbacks=[ModelCheckpoint(every_n_train_steps=5)],
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(TinyModel())
@@ -370,19 +371,45 @@ CASES: list[Case] = [
          "staleness=2 on one node, staleness=3 on another", _mismatched_staleness_fit, Exception,
          r"staleness=.* different on ranks", r"HINT: every node must start with the same configuration", SETUP),
     Case("ssp-claim-val-interval", "strategy async_ssp",
-         "AsyncSSPStrategy(claim_batches=True) with Trainer(val_check_interval=2)",
-         _fit(strategy=AsyncSSPStrategy(claim_batches=True), val_check_interval=2), ValueError,
+         "AsyncSSPStrategy(batches='claim') with Trainer(val_check_interval=2)",
+         _fit(strategy=AsyncSSPStrategy(batches="claim"), val_check_interval=2), ValueError,
          r"val_check_interval=2", r"HINT: use check_val_every_n_epoch", SETUP),
     Case("ssp-claim-with-adaptive-batch", "strategy async_ssp",
-         "AsyncSSPStrategy(claim_batches=True) with an AdaptiveBatchSize callback",
-         _fit(AdaptiveBatchSize(), strategy=AsyncSSPStrategy(claim_batches=True, adaptive_batch=False)), ValueError,
+         "AsyncSSPStrategy(batches='claim') with an AdaptiveBatchSize callback",
+         _fit(AdaptiveBatchSize(), strategy=AsyncSSPStrategy(batches="claim")), ValueError,
          r"both replace the training loader's sampler", r"HINT: drop one of them", SETUP),
     Case("ssp-adaptive-batch-and-claims", "strategy async_ssp",
          "AsyncSSPStrategy(adaptive_batch=True, claim_batches=True)",
          lambda: AsyncSSPStrategy(adaptive_batch=True, claim_batches=True), ValueError,
-         r"both replace the training loader's sampler", r"HINT: claim_batches=False to rebalance"),
+         r"both replace the training loader's sampler", r"HINT: batches='rebalance' to rebalance"),
+    # batches= replaced claim_batches and adaptive_batch (issue 67): the old keywords alone still work
+    # (tests/strategies/test_options.py), with the new one they are refused.
+    Case("ssp-batches-and-old-keyword", "strategy async_ssp", "AsyncSSPStrategy(batches='even', claim_batches=True)",
+         lambda: AsyncSSPStrategy(batches="even", claim_batches=True), ValueError,
+         r"batches= replaced claim_batches and adaptive_batch", r"HINT: batches= alone"),
+    Case("ssp-batches-unknown", "strategy async_ssp", "AsyncSSPStrategy(batches='shared')",
+         lambda: AsyncSSPStrategy(batches="shared"), ValueError, r"batches='shared'",
+         r"HINT: one of \['auto', 'claim', 'rebalance', 'even'\]"),
+    Case("ssp-options-unknown", "strategy async_ssp", "AsyncSSPStrategy(options={'outr': 'nesterov'})",
+         lambda: AsyncSSPStrategy(options={"outr": "nesterov"}), ValueError, r"unknown setting\(s\) \['outr'\]",
+         r"HINT: AsyncSSPOptions takes \['outer'"),
+    Case("ssp-options-twice", "strategy async_ssp", "AsyncSSPStrategy(outer='average', options={'outer': 'nesterov'})",
+         lambda: AsyncSSPStrategy(outer="average", options={"outer": "nesterov"}), ValueError,
+         r"\['outer'\] given both as keyword", r"HINT: set each once"),
+    Case("ssp-options-type", "strategy async_ssp", "AsyncSSPStrategy(options=HierSyncOptions())",
+         lambda: AsyncSSPStrategy(options=HierSyncOptions()), TypeError, r"expected a AsyncSSPOptions",
+         r"HINT: options=AsyncSSPOptions\(...\)"),
+    Case("ssp-option-typo", "strategy async_ssp", "AsyncSSPStrategy(outr='nesterov')",
+         lambda: AsyncSSPStrategy(outr="nesterov"), ValueError, r"outr is not a setting of async_ssp",
+         r"HINT: did you mean outer\?"),
+    Case("sharded-per-step-option", "strategy async_ssp_sharded", "ShardedAsyncSSPStrategy(lam=2.0)",
+         lambda: ShardedAsyncSSPStrategy(lam=2.0), ValueError, r"does not use options \['lam'\]",
+         r"HINT: leave them at their defaults"),
+    Case("sharded-typo", "strategy hier_sync_sharded", "ShardedHierSyncStrategy(inter_perod=2)",
+         lambda: ShardedHierSyncStrategy(inter_perod=2), ValueError, r"inter_perod is not a setting",
+         r"HINT: did you mean inter_period\?"),
     Case("ssp-claim-step-checkpoints", "strategy async_ssp",
-         "AsyncSSPStrategy(claim_batches=True) with ModelCheckpoint(every_n_train_steps=5)",
+         "AsyncSSPStrategy(batches='claim') with ModelCheckpoint(every_n_train_steps=5)",
          _fit_with_step_checkpoints, ValueError, r"every_n_train_steps", r"HINT: checkpoint every_n_epochs", SETUP),
     Case("ssp-two-optimizers", "strategy async_ssp", "AsyncSSPStrategy() with two optimizers",
          _fit(strategy=AsyncSSPStrategy(), model=ManualTwoOptimizersModel()), ValueError,

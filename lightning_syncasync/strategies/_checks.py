@@ -3,8 +3,10 @@ so a setting is rejected the same way whichever strategy takes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
+import typing
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -63,6 +65,7 @@ def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
     model in DDP: a misspelt setting (``stalenes=3``) fails here instead of being ignored or failing in every
     process at setup."""
     own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+    own += option_names(cls)  # an options object's fields work as keywords too
     allowed = _LIGHTNING_DDP + (_TORCH_DDP if wraps_ddp else [])
     for key, value in kwargs.items():
         if key in allowed:
@@ -74,6 +77,13 @@ def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
         extra = "" if wraps_ddp or key not in _TORCH_DDP else " (it does not wrap the model in torch DDP)"
         name = getattr(cls, "strategy_name", cls.__name__)
         raise ValueError(f"{key} is not a setting of {name}{extra}; HINT: {hint}")
+
+
+def option_names(cls: type) -> list[str]:
+    """The fields of ``cls``'s options object (its ``options: XOptions | None`` parameter), if it has one."""
+    hint = typing.get_type_hints(cls.__init__).get("options")
+    found = [a for a in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(a)]
+    return [f.name for f in dataclasses.fields(found[0])] if found else []
 
 
 def check_node_size(node_size: int | None, virtual_nodes: int | None = None) -> None:

@@ -5,11 +5,44 @@ up, the learning-rate schedules that follow global progress, and the checks of w
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.utils.data import DataLoader
+
+Batches = Literal["auto", "claim", "rebalance", "even"]
+# batches= as the two settings it replaced: (claim_batches, adaptive_batch), None meaning "decide at setup".
+_BATCHES: dict[str, tuple[bool | None, bool | None]] = {
+    "auto": (None, None),
+    "claim": (True, None),
+    "rebalance": (False, True),
+    "even": (False, False),
+}
+
+
+def batch_sharing(batches: str, kwargs: dict[str, Any], owner: str) -> tuple[bool | None, bool | None]:
+    """``batches=`` as ``(claim_batches, adaptive_batch)``. The two old settings were one decision (both replace the
+    training loader's sampler, so only three of their four pairs made sense); given as keywords (taken out of
+    ``kwargs``) they still work, alone."""
+    if batches not in _BATCHES:
+        raise ValueError(f"{owner}(batches={batches!r}): unknown; HINT: one of {list(_BATCHES)}")
+    legacy = {k: kwargs.pop(k) for k in ("claim_batches", "adaptive_batch") if k in kwargs}
+    if not legacy:
+        return _BATCHES[batches]
+    if batches != "auto":
+        raise ValueError(
+            f"{owner}(batches={batches!r}) with {legacy}: batches= replaced claim_batches and adaptive_batch; HINT: "
+            "batches= alone ('claim', 'rebalance', 'even' or 'auto')"
+        )
+    claim, adaptive = legacy.get("claim_batches"), legacy.get("adaptive_batch")
+    if adaptive and claim is not False:
+        raise ValueError(
+            f"adaptive_batch=True and claim_batches={claim}: both replace the training loader's sampler (per-rank "
+            "batch sizes against a shared queue of batches). HINT: batches='rebalance' to rebalance batches, or "
+            "batches='claim' to claim them"
+        )
+    return claim, adaptive
 
 
 class _ClaimingLoader(DataLoader):
@@ -76,15 +109,15 @@ def _claim_budget(trainer: pl.Trainer, world: int) -> int | None:
     """Batches over all ranks for ``claim_batches``; refuses what counts per-rank batches."""
     if isinstance(trainer.val_check_interval, int):
         raise ValueError(
-            f"async_ssp(claim_batches=True) validates at epoch ends: ranks train different numbers of batches, so "
+            f"async_ssp(batches='claim') validates at epoch ends: ranks train different numbers of batches, so "
             f"trainer.val_check_interval={trainer.val_check_interval} (every so many batches of each rank) would "
-            "validate at different moments on each rank. HINT: use check_val_every_n_epoch, or claim_batches=False"
+            "validate at different moments on each rank. HINT: use check_val_every_n_epoch, or batches='rebalance'"
         )
     for cb in trainer.checkpoint_callbacks:
         if getattr(cb, "_every_n_train_steps", 0) or getattr(cb, "_train_time_interval", None):
             raise ValueError(
-                "async_ssp(claim_batches=True): ModelCheckpoint(every_n_train_steps/train_time_interval) counts "
+                "async_ssp(batches='claim'): ModelCheckpoint(every_n_train_steps/train_time_interval) counts "
                 "each rank's own steps or clock, which differ across ranks here, so the ranks would save at "
-                "different moments. HINT: checkpoint every_n_epochs, or claim_batches=False"
+                "different moments. HINT: checkpoint every_n_epochs, or batches='rebalance'"
             )
     return trainer.max_steps * world if trainer.max_steps > 0 else None

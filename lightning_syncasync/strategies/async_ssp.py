@@ -6,10 +6,11 @@ Two modes (see the class docstring for the settings):
   gradients; its local progress travels every round through
   :class:`~lightning_syncasync.algorithms.averaging.RoundExchange` (design, invariants and papers there), optionally
   compressed, and comes back as the round's global step at most ``staleness`` rounds later. Rounds have a wall-clock
-  length, so fast ranks take more local steps; with ``claim_batches`` (on by default where the loop allows it) they
-  also train on more of each epoch's batches instead of waiting at its end. ``auto_sync``'s async mode instead
-  (``warmup_steps=None, dynamic_local_steps=False, claim_batches=False``): 20 synchronous steps, rounds of a fixed
-  step count, and an :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` the strategy adds.
+  length, so fast ranks take more local steps; with claimed batches (``batches="claim"``, chosen by default where the
+  loop allows it) they also train on more of each epoch's batches instead of waiting at its end. ``auto_sync``'s
+  async mode instead (``warmup_steps=None, batches="rebalance", options=AsyncSSPOptions(dynamic_local_steps=False)``):
+  20 synchronous steps, rounds of a fixed step count, and an
+  :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` the strategy adds.
 * **Per step** (``local_steps=1``): gradients travel in the background through
   :class:`~lightning_syncasync.algorithms.ssp.SSPExchange`, optionally compressed, after a stale gradient is
   compensated (:class:`~lightning_syncasync.algorithms.ssp.StaleGradientCompensation`); every replica
@@ -38,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -50,7 +51,7 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_, destroy_groups, exchange_backend
 from lightning_syncasync.algorithms._flat import copy_flat_
-from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.averaging.rounds import (
     RoundExchange,
     check_rounds,
@@ -75,9 +76,11 @@ from lightning_syncasync.strategies._async_step import (
 from lightning_syncasync.strategies._checks import check_async, check_common
 from lightning_syncasync.strategies._claiming import (
     DEFAULT_WARMUP_STEPS,
+    Batches,
     _check_warmup,
     _claim_budget,
     _ClaimingLoader,
+    batch_sharing,
     follow_global_progress,
 )
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
@@ -86,6 +89,7 @@ from lightning_syncasync.strategies._round_length import RoundLengthReport, roun
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, drop_added_callback_states
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.options import AsyncSSPOptions, resolve_options
 
 __all__ = ["AsyncSSPStrategy", "DivergenceError"]
 
@@ -102,86 +106,50 @@ class AsyncSSPStrategy(
 ):
     """Asynchronous training with bounded staleness (SSP), for any LightningModule.
 
-    Two levels of asynchrony:
-
-    * **Rounds** (``local_steps > 1``, the default): async local SGD
+    * **Rounds** (the default): async local SGD
       (:class:`~lightning_syncasync.algorithms.averaging.RoundExchange`). Every rank trains its own replica with its
-      own optimizer on fresh gradients; every round its local progress (a pseudo-gradient) goes into a background
-      exchange, and the round's global step comes back ``staleness`` rounds later at most. Rounds have a
-      wall-clock length, so a fast rank takes more local steps and a straggler fewer, and nobody waits for the
-      slowest at a round boundary. This is what learns with Adam-family optimizers: a stale gradient
-      stops Adam learning (0.722 -> 0.242 on the convnet, ``scripts/delayed_gradients.py``), a stale round costs
-      little.
+      own optimizer; every round its progress (a pseudo-gradient) goes into a background exchange and the round's
+      global step comes back at most ``staleness`` rounds later, so nobody waits for the slowest at a round's end.
+      This is what learns with Adam-family optimizers: a stale gradient stops Adam (0.722 -> 0.242 on the convnet,
+      ``scripts/delayed_gradients.py``), a stale round costs little.
     * **Steps** (``local_steps=1``): every gradient shipped in the background and applied by every replica
-      (:class:`~lightning_syncasync.algorithms.ssp.SSPExchange`), with stale-gradient compensation; for SGD-style
+      (:class:`~lightning_syncasync.algorithms.ssp.SSPExchange`) after stale-gradient compensation; for SGD-style
       workloads.
 
     Args:
-        staleness: the SSP bound: in rounds with ``local_steps > 1`` (``0``: synchronous rounds, i.e. local SGD /
-            DiLoCo; ``1``: each round's exchange overlaps the next round's steps), in steps with ``local_steps=1``
-            (``0``: synchronous; ``None``: ASP, no bound, per-step mode only).
-        local_steps: local optimizer steps per round at the ranks' mean speed (``1``: per-step gradient exchange).
-            ``None`` (default): decided from what the rounds measure, the shortest round (2 or more) whose exchange
-            hides behind the next ``staleness`` rounds' compute with a 1.5x margin, re-decided when the link or the
-            step time drifts (:class:`~lightning_syncasync.algorithms.averaging.RoundLength`; logged at setup and at
-            each change, shown in ``SyncMonitor``'s summary). On the 3.3 MB ``link_bound`` job it reached the target
-            6.06x [4.06-6.27] sooner than DDP at 100 Mbit/s and 1.38x [1.14-1.40] at 1 Gbit/s (rounds pinned at 16
-            were sooner still there: docs/benchmarks.md#self-tuned-round-length-issue-64). An integer pins the length
-            (exact, repeatable rounds); a pinned length the link cannot hide is warned about once, with the numbers.
-        outer: the outer optimizer of the rounds: ``average``, ``nesterov`` (DiLoCo) or ``delayed_nesterov``
-            (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
-        outer_lr, outer_momentum: the Nesterov variants' settings.
-        outer_momentum_every: rounds per momentum update of ``delayed_nesterov``.
-        dynamic_local_steps: rounds of wall-clock length, so each rank's local steps follow its measured speed
-            (``False``: every round is ``local_steps`` steps on every rank, a deterministic trajectory; see
-            ``warmup_steps`` for the balanced rounds measured against these).
-        round_s: a fixed round length in seconds instead of ``local_steps x`` the measured mean step time.
-        compensation: per-step mode only: ``none``, ``staleness_lr``, ``dc_asgd`` or ``dc_asgd_adaptive`` (see
-            ``algorithms/ssp/compensation.py``).
-        lam: DC-ASGD's ``lambda``.
-        compression: compression of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``,
-            ``int8``, ``int4``, ``sign``, ``powersgd``, with error feedback.
-        compression_options: extra ``Compressor`` arguments.
-        peer_timeout_s: a gate wait, cut or exchange round longer than this ends the run with an error naming the
-            lost rank.
-        round_interval_s: per-step mode: the shortest a rank's exchange thread waits for a new local step before an
-            idle round.
-        exchange_every: per-step mode: local steps a rank accumulates before joining an exchange round.
-        claim_batches: the ranks claim the batches of each epoch from a shared queue
-            (:class:`~lightning_syncasync.algorithms.ssp.ClaimingBatchSampler`), so a faster rank trains on
-            more of them instead of waiting at every epoch end for a slower one. ``max_steps`` then is a budget over
-            all ranks (``max_steps x world`` batches, the samples DDP would see) and ``global_step`` differs across
-            ranks; validation runs at epoch ends (an ``int`` ``val_check_interval`` and ``ModelCheckpoint(
-            every_n_train_steps=...)`` count per-rank batches and are refused). ``None`` (default): on with rounds
-            whenever the loop's settings allow it (validation at epoch ends, no per-step checkpoints, no
-            ``AdaptiveBatchSize``), off otherwise, in per-step mode and at one rank.
-        warmup_steps: rounds only: steps of synchronous training first, every rank's gradients averaged before each
-            step (DDP's update, on every replica alike), as in post-local SGD (Lin et al., 2020); the rounds start
-            from there. Under ``claim_batches`` the warm-up's batches are dealt in turn (every rank the same number),
-            so no rank's average waits for a peer that ran out. Default 0; ``None``: 20 steps
-            (``DEFAULT_WARMUP_STEPS``), a tenth of a run of fewer than 200 ``max_steps``, none at one rank.
-            ``warmup_steps=None, dynamic_local_steps=False, claim_batches=False`` is ``auto_sync``'s async mode
-            ("balanced rounds": the strategy then adds ``AdaptiveBatchSize``). Against DDP, pooled over the four
-            asynchronous MNIST scenarios (5 seeds each, docs/benchmarks.md), balanced rounds needed 1.02x
-            [0.89-1.15] DDP's samples to 0.97 over 20 seed pairs (16 reaching it), where these defaults needed
-            1.13x [1.03-1.24] over 35 (25). Side by side, though (``mid_run_straggler_long`` and ``straggler_long``,
-            10 pairs), balanced rounds needed 1.17x [0.90-1.49] these defaults' samples and reached the rule target
-            in 1.22x their time (their time over the balanced rounds' 0.82x [0.70-0.96]), so by the benchmarks'
-            rule (not slower, fewer samples) they did not become the default. 20 steps alone, with these rounds
-            (``mid_run_straggler_long``), did not learn more per sample (1.18x DDP's samples, 3 of 5).
-        adaptive_batch: add an :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` (its defaults, leaving a
-            loader it cannot split as it is) when the Trainer has none: each rank's share of the global batch
-            follows its measured speed (its loss gradient weighted by that share, as under DDP, where it makes the
-            average the mean over the global batch). ``None`` (default): in round mode when ``claim_batches`` is
-            ``False``, never at one rank. ``True`` with claimed batches is refused (both replace the loader's
-            sampler).
+        staleness: the SSP bound, in rounds (``0``: synchronous rounds, i.e. local SGD / DiLoCo; ``1``: each round's
+            exchange overlaps the next round's steps) or, with ``local_steps=1``, in steps (``None``: ASP, no bound).
+        local_steps: local steps per round at the ranks' mean speed (``1``: per-step exchange). ``None`` (default):
+            the shortest round whose exchange hides behind the next ``staleness`` rounds' compute, re-decided when
+            the link or the step time drifts (:class:`~lightning_syncasync.algorithms.averaging.RoundLength`; shown
+            in ``SyncMonitor``'s summary). On the 3.3 MB ``link_bound`` job it reached the target 6.06x [4.06-6.27]
+            sooner than DDP at 100 Mbit/s (docs/benchmarks.md#self-tuned-round-length-issue-64). An integer pins
+            the length; a pinned length the link cannot hide is warned about once, with the numbers.
+        batches: how ranks of different speeds share the data. ``"claim"``: the ranks claim each epoch's batches
+            from a shared queue (:class:`~lightning_syncasync.algorithms.ssp.ClaimingBatchSampler`), so a fast rank
+            trains on more of them instead of waiting at the epoch's end; ``max_steps`` becomes a budget over all
+            ranks (``max_steps x world`` batches, the samples DDP would see) and validation runs at epoch ends.
+            ``"rebalance"``: an :class:`~lightning_syncasync.callbacks.AdaptiveBatchSize` sizes each rank's batch
+            from its measured speed. ``"even"``: neither. ``"auto"`` (default): ``"claim"`` with rounds when the
+            loop allows it (validation at epoch ends, no per-step checkpoints, no ``AdaptiveBatchSize`` of the
+            user's), else ``"even"``; never at one rank. The summary's header says which was chosen and why.
+        warmup_steps: rounds only: synchronous steps first (every rank's gradients averaged, as DDP), as in
+            post-local SGD (Lin et al., 2020). ``None``: 20 steps (a tenth of a run of fewer than 200), none at one
+            rank. Default 0: pooled over four straggler scenarios a warm-up did not reach the target sooner
+            (docs/strategies.md#expert-settings).
+        compression: of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``, ``int8``,
+            ``int4``, ``sign``, ``powersgd``, with error feedback.
+        options: the expert settings (:class:`~lightning_syncasync.strategies.options.AsyncSSPOptions`: the outer
+            optimizer, wall-clock or fixed-step rounds, per-step compensation and pacing, timeouts), an instance or
+            a dict; each also works as a keyword.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``timeout``, ...); DDP itself is not used.
 
     Example::
 
         Trainer(strategy="async_ssp", accelerator="cpu", devices=4)
-        Trainer(strategy=AsyncSSPStrategy(local_steps=16, outer="delayed_nesterov", compression="int8"), devices=4)
-        Trainer(strategy=AsyncSSPStrategy(local_steps=1, staleness=None, compensation="none"), devices=4)
+        Trainer(strategy=AsyncSSPStrategy(local_steps=16, compression="int8"), devices=4)
+        Trainer(strategy=AsyncSSPStrategy(local_steps=1, staleness=None), devices=4)
+        Trainer(strategy=AsyncSSPStrategy(options=AsyncSSPOptions(outer="delayed_nesterov")), devices=4)
     """
 
     strategy_name = "async_ssp"
@@ -191,35 +159,19 @@ class AsyncSSPStrategy(
         self,
         staleness: int | None = 1,
         local_steps: int | None = None,
-        outer: Outer = "average",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_momentum_every: int = 2,
-        dynamic_local_steps: bool = True,
-        round_s: float | None = None,
-        compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
-        lam: float = 1.0,
-        compression: str = "none",
-        compression_options: dict[str, Any] | None = None,
-        peer_timeout_s: float = 60.0,
-        round_interval_s: float = 0.005,
-        exchange_every: int = 1,
-        claim_batches: bool | None = None,
+        batches: Batches = "auto",
         warmup_steps: int | None = 0,
-        adaptive_batch: bool | None = None,
+        compression: str = "none",
+        options: AsyncSSPOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        check_async(staleness, compensation, lam)
+        opts = resolve_options(AsyncSSPOptions, options, kwargs, "async_ssp")
+        claim_batches, adaptive_batch = batch_sharing(batches, kwargs, "async_ssp")
+        check_async(staleness, opts.compensation, opts.lam)
         if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
             raise ValueError(f"warmup_steps must be an integer >= 0 or None, got {warmup_steps!r}; HINT: 0 (the "
                              "default) starts the rounds at the first step, None takes 20 steps (a tenth of a "
                              "shorter run)")  # fmt: skip
-        if adaptive_batch and claim_batches is not False:
-            raise ValueError(
-                f"adaptive_batch=True and claim_batches={claim_batches}: both replace the training loader's sampler "
-                "(per-rank batch sizes against a shared queue of batches). HINT: claim_batches=False to rebalance "
-                "batches, or adaptive_batch=False to claim them"
-            )
         rounds = local_steps is None or (isinstance(local_steps, int) and local_steps > 1)
         if warmup_steps and not rounds:
             raise ValueError(
@@ -227,36 +179,38 @@ class AsyncSSPStrategy(
                 "is per-step mode (no rounds). HINT: local_steps > 1, or warmup_steps=0"
             )
         # The staleness bound counts rounds (an integer) only in round mode; per-step mode also takes None (ASP).
-        check_rounds(local_steps, staleness if rounds else 0, round_s)
-        if round_s is not None and not dynamic_local_steps:
+        check_rounds(local_steps, staleness if rounds else 0, opts.round_s)
+        if opts.round_s is not None and not opts.dynamic_local_steps:
             raise ValueError(
-                f"round_s={round_s} is a wall-clock round length, and dynamic_local_steps=False makes every round "
+                f"round_s={opts.round_s} is a wall-clock round length, and dynamic_local_steps=False makes every round "
                 "local_steps steps long. HINT: dynamic_local_steps=True (the default) with round_s, or round_s=None"
             )
-        check_outer(outer, outer_lr, outer_momentum, outer_momentum_every)
-        check_common("async_ssp does not all-reduce gradients", compression, compression_options, peer_timeout_s,
-                     kwargs, type(self), wraps_ddp=False)  # fmt: skip
-        if round_interval_s <= 0:
-            raise ValueError(f"round_interval_s must be > 0, got {round_interval_s}; HINT: the default 0.005")
-        if exchange_every < 1:
-            raise ValueError(f"exchange_every must be >= 1, got {exchange_every}; HINT: 1 exchanges every step")
+        check_outer(opts.outer, opts.outer_lr, opts.outer_momentum, opts.outer_momentum_every)
+        check_common("async_ssp does not all-reduce gradients", compression, opts.compression_options,
+                     opts.peer_timeout_s, kwargs, type(self), wraps_ddp=False)  # fmt: skip
+        if opts.round_interval_s <= 0:
+            raise ValueError(f"round_interval_s must be > 0, got {opts.round_interval_s}; HINT: the default 0.005")
+        if opts.exchange_every < 1:
+            raise ValueError(f"exchange_every must be >= 1, got {opts.exchange_every}; HINT: 1 exchanges every step")
         super().__init__(**kwargs)
+        self.options = opts
         self.staleness = staleness
         self.local_steps = local_steps
-        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
-        self.outer_momentum_every = outer_momentum_every
-        self.dynamic_local_steps = dynamic_local_steps
-        self.round_s = round_s
-        self.compensation = compensation
-        self.lam = lam
+        self.outer, self.outer_lr, self.outer_momentum = opts.outer, opts.outer_lr, opts.outer_momentum
+        self.outer_momentum_every = opts.outer_momentum_every
+        self.dynamic_local_steps = opts.dynamic_local_steps
+        self.round_s = opts.round_s
+        self.compensation = opts.compensation
+        self.lam = opts.lam
         self.compression = compression
-        self.compression_options = dict(compression_options or {})
-        self.peer_timeout_s = peer_timeout_s
-        self.round_interval_s = round_interval_s
-        self.exchange_every = exchange_every
+        self.compression_options = dict(opts.compression_options)
+        self.peer_timeout_s = opts.peer_timeout_s
+        self.round_interval_s = opts.round_interval_s
+        self.exchange_every = opts.exchange_every
         self.claim_batches = claim_batches
         self.warmup_steps = warmup_steps
         self.adaptive_batch = adaptive_batch
+        self._batches_note = ""  # what this fit's batch sharing is and why (summary_notes)
         self._warmup = 0  # warmup_steps as resolved for this fit (None: from the run's length)
         self._warm_group: dist.ProcessGroup | None = None
         self._claiming = False  # claim_batches as decided for this fit
@@ -417,30 +371,43 @@ class AsyncSSPStrategy(
         return DEFAULT_WARMUP_STEPS
 
     def _decide_claiming(self, trainer: pl.Trainer) -> bool:
-        """``claim_batches`` for this fit: as set, or (``None``) on with rounds when the loop allows it."""
+        """Claimed batches for this fit: as set, or (``batches="auto"``) on with rounds when the loop allows it. The
+        decision and its reason go to the summary's header (``_batches_note``): a user who reads ``max_steps`` as a
+        budget over ranks must see when it is each rank's own."""
         from lightning_syncasync.callbacks.adaptive_batch import AdaptiveBatchSize  # callbacks sit above strategies
 
         has_abs = any(isinstance(c, AdaptiveBatchSize) for c in trainer.callbacks)
         if self.claim_batches and has_abs:
             raise ValueError(
-                "async_ssp(claim_batches=True) with an AdaptiveBatchSize callback: both replace the training "
+                "async_ssp(batches='claim') with an AdaptiveBatchSize callback: both replace the training "
                 "loader's sampler (a shared queue of batches against per-rank batch sizes). HINT: drop one of them"
             )
+        claim, why = self._claiming_reason(trainer, has_abs)
+        if self.world_size > 1:
+            if claim:
+                self._batches_note = "batches: claimed from a shared queue (a faster rank trains on more of them)"
+            else:
+                own = trainer.max_steps > 0
+                steps = f"max_steps={trainer.max_steps} is each rank's own step count; " if own else ""
+                self._batches_note = f"batches: {steps}not claimed: {why}"
+            log.info("async_ssp: %s", self._batches_note)
+        return claim
+
+    def _claiming_reason(self, trainer: pl.Trainer, has_abs: bool) -> tuple[bool, str]:
         if self.claim_batches is not None:
-            return self.claim_batches
+            shared = "rebalanced by AdaptiveBatchSize" if has_abs else "each rank its own even share"
+            return self.claim_batches, f"as set ({shared})"
         if not self.round_mode:
-            return False
+            return False, "per-step mode (local_steps=1) does not claim"
         if self.world_size == 1:
-            return False  # no other rank to share the batches with; a claim would cost a store round trip per batch
+            return False, "one rank"  # no other rank to share with; a claim would cost a store round trip per batch
         if has_abs:
-            log.info("async_ssp: claim_batches left off: AdaptiveBatchSize balances the batches instead")
-            return False
+            return False, "AdaptiveBatchSize balances the batches instead"
         try:
             _claim_budget(trainer, self.world_size)
         except ValueError as reason:
-            log.info("async_ssp: claim_batches left off: %s", str(reason).split(" HINT")[0])
-            return False
-        return True
+            return False, str(reason).split(" HINT")[0].replace("async_ssp(batches='claim') ", "claiming ")
+        return True, ""
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -456,10 +423,10 @@ class AsyncSSPStrategy(
             return loader
         if loader.batch_size is None:
             raise ValueError(
-                "async_ssp(claim_batches=True) rebuilds the training loader from its batch_size, and this loader "
-                "has a custom batch_sampler. HINT: pass batch_size= to the DataLoader, or claim_batches=False"
+                "async_ssp(batches='claim') rebuilds the training loader from its batch_size, and this loader "
+                "has a custom batch_sampler. HINT: pass batch_size= to the DataLoader, or batches='rebalance'"
             )
-        shuffle, seed = sampling_order(loader.sampler, "async_ssp(claim_batches=True)")
+        shuffle, seed = sampling_order(loader.sampler, "async_ssp(batches='claim')")
         store = dist.PrefixStore(f"syncasync_claim/{self._claim_fits}", dist.distributed_c10d._get_default_store())
         sampler = ClaimingBatchSampler(
             len(loader.dataset),  # type: ignore[arg-type]
@@ -549,10 +516,12 @@ class AsyncSSPStrategy(
 
     @override
     def summary_notes(self) -> list[str]:
-        """What SyncMonitor's summary header should say: under ``claim_batches`` ``max_steps`` is a budget over every
-        rank, so the ranks' step counts differ and none of them reads ``max_steps``; in round mode, the round length
-        and where it came from."""
+        """What SyncMonitor's summary header should say: with claimed batches ``max_steps`` is a budget over every
+        rank, so the ranks' step counts differ and none of them reads ``max_steps``; without, why not; in round
+        mode, the round length and where it came from."""
         notes = [self._length_report.note()] if self._length_report is not None else []
+        if self._batches_note and not (self._claiming and self.planned_steps):
+            return [*notes, self._batches_note]
         if not (self._claiming and self.planned_steps):
             return notes
         return notes + [

@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import destroy_groups, new_subgroups
-from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check_rounds
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
@@ -62,6 +62,9 @@ from lightning_syncasync.strategies._round_length import round_length
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.options import AsyncSSPOptions, no_other_keywords, resolve_options, unused_fields
+
+_PER_STEP = ("compensation", "lam", "round_interval_s", "exchange_every")  # AsyncSSPOptions of per-step mode
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +80,15 @@ class ShardedAsyncSSPStrategy(
     """Round-level asynchronous training of a model sharded inside each node (module docstring).
 
     Args:
-        staleness, local_steps, outer, outer_lr, outer_momentum, outer_momentum_every, dynamic_local_steps, round_s,
-            compression, compression_options, peer_timeout_s: as
-            :class:`~lightning_syncasync.strategies.AsyncSSPStrategy` in its round mode; ``local_steps`` must be 2
-            or more (rounds), and a round's local steps are the node's.
+        staleness, local_steps, compression: as :class:`~lightning_syncasync.strategies.AsyncSSPStrategy` in its
+            round mode; ``local_steps`` must be 2 or more (rounds), and a round's local steps are the node's.
         node_size, virtual_nodes: ranks per node, or virtual nodes per machine, as ``hier_sync``; a node must hold at
             least 2 ranks (a node of one rank has nothing to shard over).
         start_method: ``"popen"`` (Lightning's default for ``ModelParallelStrategy``), ``"fork"`` or ``"spawn"`` (the
             main process gets the merged model back), as ``hier_sync_sharded``.
         process_group_backend, timeout: as ``ModelParallelStrategy``.
+        options: the expert settings of the rounds (:class:`~lightning_syncasync.strategies.options.AsyncSSPOptions`
+            less its per-step fields), an instance or a dict; each also works as a keyword.
 
     Example::
 
@@ -101,43 +104,43 @@ class ShardedAsyncSSPStrategy(
         self,
         staleness: int = 1,
         local_steps: int | None = None,
-        outer: Outer = "average",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_momentum_every: int = 2,
-        dynamic_local_steps: bool = True,
-        round_s: float | None = None,
         compression: str = "none",
-        compression_options: dict[str, Any] | None = None,
-        peer_timeout_s: float = 60.0,
         node_size: int | None = None,
         virtual_nodes: int | None = None,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        options: AsyncSSPOptions | None = None,
+        **kwargs: Any,
     ) -> None:
-        check_rounds(local_steps, staleness, round_s)
+        opts = resolve_options(AsyncSSPOptions, options, kwargs, "async_ssp_sharded")
+        no_other_keywords(kwargs, "async_ssp_sharded", AsyncSSPOptions, type(self))
+        unused_fields(
+            opts, _PER_STEP, "async_ssp_sharded", "they set async_ssp's per-step mode, and this trains in rounds"
+        )
+        check_rounds(local_steps, staleness, opts.round_s)
         if local_steps == 1:  # None: decided from the measured link, 2 or more
             raise ValueError(
                 "local_steps=1 is async_ssp's per-step mode (every gradient exchanged), which async_ssp_sharded does "
                 "not run: a node's gradients are FSDP's shards, reduced inside the node at every step; HINT: "
                 "local_steps=2 or more (rounds), or async_ssp with replicas for per-step exchange"
             )
-        check_outer(outer, outer_lr, outer_momentum, outer_momentum_every)
-        check_common("async_ssp_sharded does its own cross-node exchange", compression, compression_options,
-                     peer_timeout_s, {}, type(self), wraps_ddp=False)  # fmt: skip
+        check_outer(opts.outer, opts.outer_lr, opts.outer_momentum, opts.outer_momentum_every)
+        check_common("async_ssp_sharded does its own cross-node exchange", compression, opts.compression_options,
+                     opts.peer_timeout_s, {}, type(self), wraps_ddp=False)  # fmt: skip
         check_node_size(node_size, virtual_nodes)
         check_sharded_settings(node_size, start_method)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.options = opts
         self.staleness = staleness
         self.local_steps = local_steps
-        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
-        self.outer_momentum_every = outer_momentum_every
-        self.dynamic_local_steps = dynamic_local_steps
-        self.round_s = round_s
+        self.outer, self.outer_lr, self.outer_momentum = opts.outer, opts.outer_lr, opts.outer_momentum
+        self.outer_momentum_every = opts.outer_momentum_every
+        self.dynamic_local_steps = opts.dynamic_local_steps
+        self.round_s = opts.round_s
         self.compression = compression
-        self.compression_options = dict(compression_options or {})
-        self.peer_timeout_s = peer_timeout_s
+        self.compression_options = dict(opts.compression_options)
+        self.peer_timeout_s = opts.peer_timeout_s
         self.node_size = node_size
         self.virtual_nodes = virtual_nodes
         self.start_method = start_method

@@ -79,6 +79,7 @@ from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_grou
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers, drop_added_callback_states
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.options import AutoSyncOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,10 @@ class AutoSyncStrategy(
         staleness, local_steps: ``async`` mode's bound and local steps per round (see ``AsyncSSPStrategy``: rounds by
             default, ``None`` decided from the measured step and exchange times; ``local_steps=1`` exchanges gradients
             every step, where ``staleness=None`` is ASP). Each mode keeps its length's measurements across switches.
-        compensation, lam: the stale-gradient compensation of ``local_steps=1``.
-        compression, compression_options: compression of hier's inter-node hop and of async's update exchange.
-        peer_timeout_s: bound on every background collective and cut; past it the run fails naming the lost rank.
+        compression: compression of hier's inter-node hop and of async's update exchange.
+        options: the expert settings (:class:`~lightning_syncasync.strategies.options.AutoSyncOptions`: the
+            stale-gradient compensation of ``local_steps=1``, compressor arguments, the peer timeout), an instance or
+            a dict; each also works as a keyword.
         **kwargs: what ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
 
     Example::
@@ -133,34 +135,33 @@ class AutoSyncStrategy(
         max_delay: int | None = None,
         staleness: int | None = 1,
         local_steps: int | None = None,
-        compensation: Literal["none", "staleness_lr", "dc_asgd", "dc_asgd_adaptive"] = "dc_asgd_adaptive",
-        lam: float = 1.0,
         compression: str = "none",
-        compression_options: dict[str, Any] | None = None,
-        peer_timeout_s: float = 60.0,
+        options: AutoSyncOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        opts = resolve_options(AutoSyncOptions, options, kwargs, "auto_sync")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}; HINT: 'sync' (the default start)")
         check_settings(inter_period, max_delay, "average", 1.0, 0.9)
-        check_async(staleness, compensation, lam)
+        check_async(staleness, opts.compensation, opts.lam)
         rounds = local_steps is None or (isinstance(local_steps, int) and local_steps > 1)
         check_rounds(local_steps, staleness if rounds else 0, None)
-        check_common("auto_sync registers its own comm hook", compression, compression_options, peer_timeout_s, kwargs,
-                     type(self), wraps_ddp=True)  # fmt: skip
+        check_common("auto_sync registers its own comm hook", compression, opts.compression_options,
+                     opts.peer_timeout_s, kwargs, type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
         super().__init__(**kwargs)
+        self.options = opts
         self.mode: str = mode
         self.switcher = switcher
         self.node_size = node_size
         self.inter_period, self.max_delay = inter_period, max_delay
-        self.staleness, self.compensation, self.lam = staleness, compensation, lam
+        self.staleness, self.compensation, self.lam = staleness, opts.compensation, opts.lam
         self.local_steps = local_steps
         self._lengths: dict[str, RoundLength] = {}  # per mode, kept across switches (the link does not change)
         self._length_reports: dict[str, RoundLengthReport] = {}
         self.compression = compression
-        self.compression_options = dict(compression_options or {})
-        self.peer_timeout_s = peer_timeout_s
+        self.compression_options = dict(opts.compression_options)
+        self.peer_timeout_s = opts.peer_timeout_s
         self.sync_stats = StatsRecorder(mode=mode)
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None

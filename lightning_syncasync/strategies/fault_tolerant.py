@@ -60,7 +60,7 @@ from lightning_syncasync.algorithms.averaging.elastic import (
     make_manager,
     require_torchft,
 )
-from lightning_syncasync.algorithms.averaging.outer import Outer, OuterOptimizer, check_outer
+from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer, check_outer
 from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression.summable import SUMMABLE
@@ -72,6 +72,7 @@ from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.options import FaultTolerantOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +93,12 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             at the round's end and every node then holds the same model.
         dynamic_local_steps: rounds of wall-clock length, so each node's local steps follow its speed (the
             ``async_ssp_ft`` name sets it).
-        outer: the outer optimizer (``average``, ``nesterov``, ``delayed_nesterov``); ``outer_lr``, ``outer_momentum``
-            its settings.
         min_replicas: the fewest nodes a round may commit with (1: a lone survivor trains on).
         max_replicas: the most nodes there can be (default ``NUM_REPLICA_GROUPS``, else 1 + this node's group id):
             the number of training-data shards.
         replica_group: this node's group id, ``0 .. max_replicas - 1`` (default ``REPLICA_GROUP_ID``, else 0): its
             shard of the training data, and its name at the Lighthouse (a restarted node keeps its id).
         lighthouse: the Lighthouse's address (default ``TORCHFT_LIGHTHOUSE``).
-        timeout_s: how long a round's collective or vote may wait for a peer (a dead peer's socket usually fails
-            at once; a hung or cut-off one within this). With the Lighthouse's heartbeat timeout it bounds the
-            pause a lost node causes: the survivors commit again within ``max(timeout_s, heartbeat) + one round``.
-        quorum_timeout_s: how long a round may wait for a quorum (the Lighthouse unreachable, fewer than
-            ``min_replicas`` nodes alive) before the run ends with an error.
-        connect_timeout_s: how long reaching the Lighthouse may take at start.
         compression: ``"none"`` (fp32), ``"int8"`` or ``"int4"``: each round's body as codes an all-reduce can sum
             (29% and 17% of fp32's bytes on 2 nodes), with error feedback per node; consistent cuts are exact
             (``ElasticRounds``).
@@ -115,14 +108,17 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
             benchmarks compare with. It has no consistent cuts (each node validates its own weights), does not heal
             the inner optimizer or the loop's counters, and ``staleness``/``outer``/``dynamic_local_steps`` do not
             apply to it.
-        peer_timeout_s: the watchdog's bound on a lost rank inside the node (DDP).
+        options: the expert settings (:class:`~lightning_syncasync.strategies.options.FaultTolerantOptions`: the
+            outer optimizer, torchft's timeouts, the watchdog's bound inside the node), an instance or a dict; each
+            also works as a keyword. ``options.timeout_s`` with the Lighthouse's heartbeat timeout bounds the pause a
+            lost node causes: the survivors commit again within ``max(timeout_s, heartbeat) + one round``.
         **kwargs: what ``DDPStrategy`` takes.
 
     Example::
 
         # on every node, with TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS set:
         Trainer(strategy="hier_sync_ft", accelerator="cpu", devices=2)
-        Trainer(strategy=FaultTolerantStrategy(local_steps=8, outer="nesterov", min_replicas=2), devices=2)
+        Trainer(strategy=FaultTolerantStrategy(local_steps=8, min_replicas=2), devices=2)
     """
 
     strategy_name = "hier_sync_ft"
@@ -133,22 +129,20 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         local_steps: int = 4,
         staleness: int = 1,
         dynamic_local_steps: bool = False,
-        outer: Outer = "average",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
         min_replicas: int = 1,
         max_replicas: int | None = None,
         replica_group: int | None = None,
         lighthouse: str | None = None,
-        timeout_s: float = 30.0,
-        quorum_timeout_s: float = 300.0,
-        connect_timeout_s: float = 10.0,
         compression: Literal["none", "int8", "int4"] = "none",
         exchange: Literal["elastic", "torchft_diloco"] = "elastic",
-        peer_timeout_s: float = 60.0,
+        options: FaultTolerantOptions | None = None,
         **kwargs: Any,
     ) -> None:
         name = "async_ssp_ft" if dynamic_local_steps else "hier_sync_ft"
+        opts = resolve_options(FaultTolerantOptions, options, kwargs, name)
+        outer, outer_lr, outer_momentum = opts.outer, opts.outer_lr, opts.outer_momentum
+        timeout_s, quorum_timeout_s, connect_timeout_s = opts.timeout_s, opts.quorum_timeout_s, opts.connect_timeout_s
+        peer_timeout_s = opts.peer_timeout_s
         require_torchft(name)
         if max_replicas is None and os.environ.get(NUM_REPLICA_GROUPS_ENV):
             max_replicas = _env_int(NUM_REPLICA_GROUPS_ENV, "max_replicas")
@@ -183,6 +177,7 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         check_kwargs(type(self), kwargs, wraps_ddp=True)
         super().__init__(**kwargs)
         self.strategy_name = name
+        self.options = opts
         self.local_steps, self.staleness, self.dynamic_local_steps = local_steps, staleness, dynamic_local_steps
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.min_replicas, self.max_replicas, self.replica_group = min_replicas, max_replicas, replica_group

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -41,6 +41,7 @@ from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_grou
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.options import HierSyncOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +71,14 @@ class HierSyncStrategy(
         virtual_nodes: split each node's ranks into this many virtual nodes instead of giving ``node_size``
             (``virtual_nodes=2`` on one machine of 4 processes: 2 nodes of 2). The registered name
             ``hier_sync_virtual`` sets it to 2, so the string form reaches virtual nodes too.
-        outer: ``"average"``, ``"nesterov"`` (outer Nesterov momentum on the averaged pseudo-gradient, DiLoCo) or
-            ``"delayed_nesterov"`` (:mod:`~lightning_syncasync.algorithms.averaging.outer`).
-        outer_lr: outer learning rate (``outer="nesterov"``).
-        outer_momentum: outer momentum (``outer="nesterov"``).
         compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign`` or
             ``powersgd`` (with error feedback; see ``algorithms/compression/compressor.py``).
-        compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``,
-            ``collective``: ``"auto"`` two-phase from 3 ranks, all-gather on 2, ...).
-        peer_timeout_s: how long an inter-node average may wait for a peer; past it (or as soon as gloo/NCCL sees
-            the peer gone) the run ends with an error naming the lost rank instead of hanging.
         warmup_steps: steps of flat DDP (gradients all-reduced over every rank) before hierarchical averaging starts,
             as in post-local SGD (Lin et al., 2020): the first steps decide where training goes and are the ones
             local progress hurts most. Default 0: on the full slow_link benchmark 3 and 6 warm-up steps did not
-            reliably reach the target sooner (107.5 s and 88.8 s against 89.8 s; README).
+            reliably reach the target sooner (docs/strategies.md#expert-settings).
+        options: the expert settings (:class:`~lightning_syncasync.strategies.options.HierSyncOptions`: the outer
+            optimizer, compressor arguments, the peer timeout), an instance or a dict; each also works as a keyword.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
 
     Example::
@@ -101,30 +96,28 @@ class HierSyncStrategy(
         inter_period: int | None = None,
         max_delay: int | None = None,
         node_size: int | None = None,
-        outer: Literal["average", "nesterov", "delayed_nesterov"] = "average",
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.9,
         compression: str = "none",
-        compression_options: dict[str, Any] | None = None,
-        peer_timeout_s: float = 60.0,
         warmup_steps: int = 0,
         virtual_nodes: int | None = None,
+        options: HierSyncOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum, warmup_steps)
-        check_common("hier_sync does its own cross-node averaging", compression, compression_options, peer_timeout_s,
-                     kwargs, type(self), wraps_ddp=True)  # fmt: skip
+        opts = resolve_options(HierSyncOptions, options, kwargs, "hier_sync")
+        check_settings(inter_period, max_delay, opts.outer, opts.outer_lr, opts.outer_momentum, warmup_steps)
+        check_common("hier_sync does its own cross-node averaging", compression, opts.compression_options,
+                     opts.peer_timeout_s, kwargs, type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size, virtual_nodes)
         super().__init__(**kwargs)
+        self.options = opts
         self.inter_period = inter_period
         self.max_delay = max_delay
         self.node_size = node_size
-        self.outer = outer
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
+        self.outer = opts.outer
+        self.outer_lr = opts.outer_lr
+        self.outer_momentum = opts.outer_momentum
         self.compression = compression
-        self.compression_options = dict(compression_options or {})
-        self.peer_timeout_s = peer_timeout_s
+        self.compression_options = dict(opts.compression_options)
+        self.peer_timeout_s = opts.peer_timeout_s
         self.warmup_steps = warmup_steps
         self.virtual_nodes = virtual_nodes
         self.sync_stats = StatsRecorder(mode="hier")

@@ -53,6 +53,7 @@ from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sha
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
+from lightning_syncasync.strategies.options import HierSyncOptions, no_other_keywords, resolve_options
 
 
 class ShardedHierSyncStrategy(
@@ -61,8 +62,8 @@ class ShardedHierSyncStrategy(
     """Hierarchical synchronisation of a model sharded inside each node (module docstring).
 
     Args:
-        inter_period, max_delay, node_size, virtual_nodes, outer, outer_lr, outer_momentum, compression,
-            compression_options, peer_timeout_s: as :class:`~lightning_syncasync.strategies.HierSyncStrategy`.
+        inter_period, max_delay, node_size, virtual_nodes, compression, options: as
+            :class:`~lightning_syncasync.strategies.HierSyncStrategy` (each option also works as a keyword).
             A node here must hold at least 2 ranks (a node of one rank has nothing to shard over).
         start_method: ``"popen"`` (Lightning's default for ``ModelParallelStrategy``: the script is run again once
             per rank), ``"fork"`` or ``"spawn"`` (the processes are started from this one, as ``ddp_spawn`` does;
@@ -94,21 +95,20 @@ class ShardedHierSyncStrategy(
         inter_period: int = 4,
         max_delay: int = 1,
         node_size: int | None = None,
-        outer: Literal["average", "nesterov", "delayed_nesterov"] = "average",
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.9,
-        compression: str = "none",
-        compression_options: dict[str, Any] | None = None,
-        peer_timeout_s: float = 60.0,
         virtual_nodes: int | None = None,
-        start_method: Literal["popen", "fork", "spawn"] = "popen",
+        compression: str = "none",
         hsdp: bool = False,
+        start_method: Literal["popen", "fork", "spawn"] = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        options: HierSyncOptions | None = None,
+        **kwargs: Any,
     ) -> None:
-        check_settings(inter_period, max_delay, outer, outer_lr, outer_momentum)
-        check_common("hier_sync_sharded does its own cross-node averaging", compression, compression_options,
-                     peer_timeout_s, {}, type(self), wraps_ddp=False)  # fmt: skip
+        opts = resolve_options(HierSyncOptions, options, kwargs, "hier_sync_sharded")
+        no_other_keywords(kwargs, "hier_sync_sharded", HierSyncOptions, type(self))
+        check_settings(inter_period, max_delay, opts.outer, opts.outer_lr, opts.outer_momentum)
+        check_common("hier_sync_sharded does its own cross-node averaging", compression, opts.compression_options,
+                     opts.peer_timeout_s, {}, type(self), wraps_ddp=False)  # fmt: skip
         check_node_size(node_size, virtual_nodes)
         check_sharded_settings(node_size, start_method)
         if hsdp and compression != "none":
@@ -118,16 +118,17 @@ class ShardedHierSyncStrategy(
                 "every inter_period steps, or drop compression"
             )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.options = opts
         self.inter_period = inter_period
         self.max_delay = max_delay
         self.node_size = node_size
         self.virtual_nodes = virtual_nodes
-        self.outer = outer
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
+        self.outer = opts.outer
+        self.outer_lr = opts.outer_lr
+        self.outer_momentum = opts.outer_momentum
         self.compression = compression
-        self.compression_options = dict(compression_options or {})
-        self.peer_timeout_s = peer_timeout_s
+        self.compression_options = dict(opts.compression_options)
+        self.peer_timeout_s = opts.peer_timeout_s
         self.start_method = start_method
         self.hsdp = hsdp
         self.sync_stats = StatsRecorder(mode="sync" if hsdp else "hier")

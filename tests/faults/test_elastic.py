@@ -24,7 +24,7 @@ STRATEGIES = ["ddp", "hier_sync", "async_ssp", "auto_sync"]
 # An async trajectory depends on timing (how many local steps each rank fits into a round, which batches it claims),
 # so two uninterrupted runs already differ; with rounds of a fixed step count and no claimed batches async_ssp's
 # trajectory depends on the data only, so its restart must land where the clean run does.
-OVERRIDES = {"async_ssp": ["strategy.dynamic_local_steps=false", "strategy.claim_batches=false"]}
+OVERRIDES = {"async_ssp": ["strategy.options.dynamic_local_steps=false", "strategy.batches=rebalance"]}
 
 
 def _torchrun(out: Path, strategy: str, fault: str = "") -> tuple[dict, str]:

@@ -28,7 +28,7 @@ def _ft_job(out: Path, faults: str, *overrides: str, nodes: int = 2, timeout: fl
     drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "REPLICA_GROUP_ID", "PL_GLOBAL_SEED")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     cmd = [sys.executable, "-m", "lightning_syncasync.train", "strategy=hier_sync_ft", f"ft={nodes}",
-           f"ft_faults='{faults}'", f"strategy.timeout_s={TIMEOUT_S}", "logger=[]", f"hydra.run.dir={out}",
+           f"ft_faults='{faults}'", f"strategy.options.timeout_s={TIMEOUT_S}", "logger=[]", f"hydra.run.dir={out}",
            *overrides]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node*.log")))

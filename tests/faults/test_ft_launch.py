@@ -34,7 +34,7 @@ pytestmark = [
 
 # The BatchNorm convnet on the digits (8x8): buffers of both kinds, 2 ranks a node.
 JOB = ["model=convnet", "data=digits", "model.input_shape=[1,8,8]", "model.depth=2", "model.batch_norm=true",
-       "logger=[]", "strategy.timeout_s=5"]  # fmt: skip
+       "logger=[]", "strategy.options.timeout_s=5"]  # fmt: skip
 
 
 def _run(out: Path, strategy: str, faults: str, epochs: int) -> tuple[dict, list[dict]]:

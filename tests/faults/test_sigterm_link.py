@@ -29,7 +29,7 @@ PEER_TIMEOUT_S = 20
 def _command(out: Path, strategy: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "lightning_syncasync.train", *SCENARIOS["link_bound"].overrides, *strategy,
-        f"strategy.peer_timeout_s={PEER_TIMEOUT_S}", "trainer.num_nodes=2", "trainer.devices=2",
+        f"strategy.options.peer_timeout_s={PEER_TIMEOUT_S}", "trainer.num_nodes=2", "trainer.devices=2",
         "trainer.max_steps=100000", "trainer.max_epochs=1000", f"hydra.run.dir={out}",
         "trainer.enable_checkpointing=true",
     ]  # fmt: skip

@@ -231,3 +231,20 @@ def test_claimed_batches_refuse_per_rank_validation_intervals(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"val_check_interval=2 .*HINT: use check_val_every_n_epoch"):
         trainer.fit(TinyLoggingModel())
+
+
+@pytest.mark.timeout(300)
+def test_the_summary_says_when_max_steps_is_each_ranks_own(tmp_path):
+    """Issue 67: a user read max_steps as a budget over ranks, the run left claiming off (validation every 2
+    batches) and nothing said so. The header now states the decision and its reason."""
+    trainer = Trainer(
+        accelerator="cpu", devices=2, max_steps=6, logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+        strategy=AsyncSSPStrategy(local_steps=2, start_method="fork"), val_check_interval=2, limit_val_batches=1,
+        callbacks=[SyncMonitor(summary_file=str(tmp_path / "summary.json"), print_summary=False)],
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(TinyLoggingModel())
+    notes = json.loads((tmp_path / "summary.json").read_text())["notes"]
+    (batches,) = [n for n in notes if n.startswith("batches:")]
+    assert "max_steps=6 is each rank's own step count; not claimed: claiming validates at epoch ends" in batches
+    assert "val_check_interval=2" in batches
