@@ -85,7 +85,7 @@ from lightning_syncasync.algorithms.averaging.ft_manager import (
     require_torchft,
 )
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
-from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
+from lightning_syncasync.algorithms.averaging.round_checks import NonFiniteRoundError
 from lightning_syncasync.algorithms.compression.summable import LEVELS, SUMMABLE, compress_summable
 from lightning_syncasync.algorithms.stats import StatsRecorder
 

@@ -83,7 +83,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,61 +90,16 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import CommThread, all_reduce_
 from lightning_syncasync.algorithms._flat import add_flat_, broadcast_flat_
+from lightning_syncasync.algorithms.averaging._round_records import _FIELDS, RoundStats, _count, _Round
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
+from lightning_syncasync.algorithms.averaging.round_checks import NonFiniteRoundError, RoundsStopped, check_rounds
 from lightning_syncasync.algorithms.averaging.round_length import RoundLength
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 
-# Metadata per rank in a round: local steps, samples, mean step time (s), end time (wall clock, s since the
-# exchange's time origin), and the duration of the rank's last completed exchange of pseudo-gradients (s, on the
-# exchange thread, after the metadata all-reduce lined the ranks up: the link's time, not a wait for a late peer).
-# After them two counts over ranks: the ranks that flag a cut, and the clean ones (nothing changed on them since the
-# last cut).
-_FIELDS = 5
-
-
-def check_rounds(local_steps: int | None, staleness: int | None, round_s: float | None) -> None:
-    """Validate round settings (the strategy checks them at construction, before any process starts).
-    ``local_steps=None`` is a length decided from the measured link (:class:`RoundLength`)."""
-    if local_steps is not None and (
-        not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1
-    ):
-        raise ValueError(
-            f"local_steps must be an integer >= 1 or None, got {local_steps!r}; HINT: None (the default) decides the "
-            "round length from the measured step and exchange times, 1 exchanges a gradient every step (per-step async)"
-        )
-    if staleness is None or not isinstance(staleness, int) or staleness < 0:
-        raise ValueError(
-            f"staleness must be an integer >= 0 with local_steps > 1 (rounds in flight), got {staleness!r}; HINT: 0 "
-            "is synchronous rounds, 1 overlaps each round's exchange with the next round's steps"
-        )
-    if round_s is not None and not round_s > 0:
-        raise ValueError(
-            f"round_s must be > 0 seconds or None (local_steps x the measured step time), got {round_s!r}; "
-            "HINT: leave it None"
-        )
-
-
-@dataclass
-class _Round:
-    index: int
-    delta: torch.Tensor  # this rank's pseudo-gradient (its exact local progress over the round)
-    future: Future[tuple[torch.Tensor, torch.Tensor, int]]  # (G, metadata, bytes sent)
-    launched_at: float
-
-
-@dataclass
-class RoundStats:
-    """What the rounds did (also fed to the ``StatsRecorder``)."""
-
-    rounds: int = 0  # rounds delivered and applied
-    local_steps: list[int] = field(default_factory=list)  # this rank's local steps in each round it ended
-    lags: list[int] = field(default_factory=list)  # rounds launched since a round, when it was applied
-    wait_s: float = 0.0  # time the training loop blocked on the staleness bound
-    round_s: list[float] = field(default_factory=list)  # the decided round length, per dynamic round
-    exchange_s: list[float] = field(default_factory=list)  # the slowest rank's exchange time, per delivered round
-    catch_up: int = 0  # rounds ended with no step by a rank that was behind the others (it was paused)
+# check_rounds, NonFiniteRoundError and RoundsStopped were defined here: still importable from here.
+__all__ = ["NonFiniteRoundError", "RoundExchange", "RoundStats", "RoundsStopped", "check_rounds"]
 
 
 class RoundExchange:
@@ -590,26 +544,3 @@ class RoundExchange:
         mean, sent = self.compressor.allreduce(delta, self.group, key="round")
         self._exchange_s = time.perf_counter() - start
         return mean, meta, nbytes + sent
-
-
-class RoundsStopped(Exception):  # noqa: N818 - a request, not an error
-    """A stop was requested (``should_stop``) while the loop waited for round ``index``: the rounds in flight are
-    dropped; the caller ends the fit (a SIGTERM)."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(f"stop requested while waiting for round {index}; the rounds in flight are dropped")
-        self.index = index
-
-
-class NonFiniteRoundError(FloatingPointError):
-    """A local step of round ``index`` had a non-finite loss (:meth:`RoundExchange.note_loss`); the round was not
-    launched, so its pseudo-gradient never reached another rank."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(f"a loss of round {index} was not finite")
-        self.index = index
-
-
-def _count(meta: torch.Tensor, world: int, which: int) -> int:
-    """One of a round's counts over ranks: ``0`` the ranks that flag a cut, ``1`` the clean ones."""
-    return int(round(float(meta[world * _FIELDS + which])))

@@ -195,7 +195,7 @@ def test_a_non_finite_round_never_leaves_the_node():
     import torch
 
     from lightning_syncasync.algorithms.averaging.elastic import ElasticRounds
-    from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
+    from lightning_syncasync.algorithms.averaging.round_checks import NonFiniteRoundError
 
     w = [torch.zeros(3)]
     rounds = ElasticRounds(w, _NoQuorum(), local_steps=2, staleness=0)

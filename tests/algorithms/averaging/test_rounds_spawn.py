@@ -13,12 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms.averaging.outer import OuterOptimizer
-from lightning_syncasync.algorithms.averaging.rounds import (
-    NonFiniteRoundError,
-    RoundExchange,
-    RoundsStopped,
-    check_rounds,
-)
+from lightning_syncasync.algorithms.averaging.round_checks import NonFiniteRoundError, RoundsStopped, check_rounds
+from lightning_syncasync.algorithms.averaging.rounds import RoundExchange
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.watchdog import PeerLostError
 from lightning_syncasync.testing import run_distributed
