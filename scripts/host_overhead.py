@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_syncasync.bench.gpu import BASELINE, MONITORED, default_strategies, fit_steps_per_s  # noqa: E402
+from lightning_syncasync.bench._gpu_fit import BASELINE, MONITORED, default_strategies, fit_steps_per_s  # noqa: E402
 
 
 class Tiny(L.LightningModule):

@@ -1,6 +1,6 @@
 """The advisor's scaling simulation of the compressed exchanges, from the transformer LM's per-rank numbers.
 
-``advise.report.simulate`` (the code behind ``syncasync-advise --simulate-nodes``), with the cost model's default
+``advise.predictions.simulate`` (the code behind ``syncasync-advise --simulate-nodes``), with the cost model's default
 parameters, fed the LM's measurements on ``slow_link`` instead of a probe: 0.68 s per step of 16 sequences per rank,
 12.97 MB of gradients, 2 ranks per node, 100 Mbit/s between nodes (12.5 MB/s), 231 MB/s inside a node, 50 us latency
 (the numbers ``tests/tools/test_advise.py`` uses). Prints each strategy's samples/s and efficiency at 8, 64 and 512
@@ -12,7 +12,8 @@ nodes, the two-phase exchanges (``ddp_int8``, ``ddp_int4``, ``hier_sync_int8``) 
 
 from __future__ import annotations
 
-from lightning_syncasync.advise.report import Measurements, format_simulation, simulate
+from lightning_syncasync.advise.measurements import Measurements
+from lightning_syncasync.advise.predictions import format_simulation, simulate
 
 STRATEGIES = [
     "ddp", "ddp_int8", "ddp_int8_allgather", "ddp_int4", "ddp_powersgd", "hier_sync", "hier_sync_int8",

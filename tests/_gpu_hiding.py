@@ -114,7 +114,7 @@ def gpu_environment(env: Mapping[str, str]) -> dict[str, str]:
 def pytest_gpu_tests(junit: Path, selection: Sequence[str], env: Mapping[str, str]) -> dict:
     """Run ``selection`` of tests/gpu (``-m gpu``) in a child pytest with ``env``; its JUnit summary, read as the GPU
     check reads it. Fails, with the child's output, when it left no report, failed a test or exited non-zero."""
-    from lightning_syncasync.bench.gpu import summarise_junit
+    from lightning_syncasync.bench._gpu_junit import summarise_junit
 
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     proc = subprocess.run([*cmd, *selection], cwd=GPU_TESTS.parents[1], env=dict(env), capture_output=True, text=True)

@@ -19,7 +19,7 @@ from _gpu_hiding import (
     selects_cpu_tests,
 )
 
-from lightning_syncasync.bench.gpu import summarise_junit
+from lightning_syncasync.bench._gpu_junit import summarise_junit
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,6 +7,7 @@ recommendation as ``syncasync-train`` overrides and a ``syncasync-cli`` line. ``
 model to clusters of up to a million nodes; ``--calibrate`` fits it to ``syncasync-bench`` runs and reports its error.
 """
 
-from lightning_syncasync.advise.report import Measurements, Recommendation, Thresholds, recommend
+from lightning_syncasync.advise.measurements import Measurements
+from lightning_syncasync.advise.report import Recommendation, Thresholds, recommend
 
 __all__ = ["Measurements", "Recommendation", "Thresholds", "recommend"]

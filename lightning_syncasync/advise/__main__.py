@@ -21,20 +21,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lightning_syncasync.advise._calibration import calibration_record
+from lightning_syncasync.advise.measurements import Measurements
+from lightning_syncasync.advise.predictions import format_predictions, format_simulation, plot_scaling, simulate
 from lightning_syncasync.advise.report import (
     ALL_CANDIDATES,
     CANDIDATES,
     MODEL_ERROR,
     MODEL_ERROR_CALIBRATED,
     SHARDED_CANDIDATES,
-    Measurements,
     Thresholds,
-    calibration_record,
-    format_predictions,
-    format_simulation,
-    plot_scaling,
     recommend,
-    simulate,
 )
 from lightning_syncasync.algorithms.costmodel import DEFAULT_PARAMS, EMULATED_ALPHA_S, ScalingModel
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync._cores import ranks_on_host
-from lightning_syncasync.advise.report import Measurements
+from lightning_syncasync.advise.measurements import Measurements
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.streams import wait_for_device
 from lightning_syncasync.algorithms.topology import Topology

@@ -9,15 +9,20 @@ Time to a target is steps x step time, so the :class:`ScalingModel`'s throughput
 than DDP a strategy needs (``Thresholds.local_sgd_steps`` for the delayed-averaging ones, ``powersgd_steps`` for
 PowerSGD). A few seconds of probing cannot measure learning per step, so these factors are priors measured on the
 benchmark's LM; fp16 and int8 DDP crossed its target at DDP's step and keep 1 (README).
+
+What it decides from is :class:`~lightning_syncasync.advise.measurements.Measurements`; the recommendation's command
+lines are written by ``advise/_lines.py``, the predictions' tables and the scaling simulation by
+:mod:`~lightning_syncasync.advise.predictions`.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_syncasync.advise._lines import cli_line, format_settings, hydra_line
+from lightning_syncasync.advise.measurements import Measurements
 from lightning_syncasync.algorithms.costmodel import Prediction, ScalingModel
 
 CANDIDATES: tuple[str, ...] = (
@@ -41,76 +46,6 @@ ALL_CANDIDATES: tuple[str, ...] = CANDIDATES + SHARDED_CANDIDATES
 _HIER_GRID = [(p, d) for p in (2, 4, 8, 16) for d in (1, 2)]
 # async_ssp's rounds, least stale first: (local_steps, staleness in rounds).
 _ROUNDS_GRID = ((4, 0), (8, 0), (4, 1), (8, 1), (16, 0), (16, 1))
-
-
-@dataclass
-class Measurements:
-    """What the probe measured (or a test made up). Times in seconds, sizes in bytes, bandwidths in bytes/s.
-
-    ``*_alpha_s``/``*_bytes_per_s`` are ``None`` where there is no such link (one rank per node, one node);
-    ``links_assumed`` says they came from command-line assumptions instead of a measurement.
-    """
-
-    world_size: int
-    nodes: int
-    procs_per_node: int
-    batch_size: int
-    grad_bytes: float
-    median_step_s: list[float]
-    step_cv: list[float]
-    pause_p: list[float]
-    pause_f: list[float]
-    steps: list[int] = field(default_factory=list)
-    intra_alpha_s: float | None = None
-    intra_bytes_per_s: float | None = None
-    inter_alpha_s: float | None = None
-    inter_bytes_per_s: float | None = None
-    flat_all_reduce_s: float | None = None
-    comm_cpu_s_per_byte: float | None = None  # what a background inter-node exchange takes from compute, per byte
-    codec_s_per_byte: float | None = None  # wall seconds per gradient byte of an int8 encode/decode on the slowest rank
-    links_assumed: bool = False
-    # Replicated training state per rank (parameters, gradients, optimizer state) and the memory one rank has (the
-    # GPU's, or the machine's RAM over its ranks); 0 = not measured.
-    state_bytes: float = 0.0
-    device_bytes: float = 0.0
-    workload: str = ""
-    params: int = 0
-    backend: str = "gloo"
-    overrides: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.world_size != self.nodes * self.procs_per_node:
-            raise ValueError(
-                f"world_size={self.world_size} is not nodes x procs_per_node = {self.nodes} x {self.procs_per_node}; "
-                "HINT: set LOCAL_WORLD_SIZE to the ranks per node"
-            )
-        for name in ("median_step_s", "step_cv", "pause_p", "pause_f"):
-            if len(getattr(self, name)) != self.world_size:
-                raise ValueError(f"{name} has {len(getattr(self, name))} values for {self.world_size} ranks")
-        if min(self.median_step_s) <= 0:
-            raise ValueError(f"median_step_s must be > 0, got {self.median_step_s}")
-
-    @property
-    def straggler_ratio(self) -> float:
-        """Slowest rank's median step over the median rank's: persistent heterogeneity (pauses leave medians)."""
-        return max(self.median_step_s) / statistics.median(self.median_step_s)
-
-    @property
-    def jitter(self) -> tuple[float, float]:
-        """Pooled pause probability and mean pause length (in units of the rank's median step)."""
-        p = statistics.fmean(self.pause_p)
-        weights = sum(self.pause_p)
-        f = sum(pp * ff for pp, ff in zip(self.pause_p, self.pause_f, strict=True)) / weights if weights > 0 else 0.0
-        return p, f
-
-    @property
-    def bandwidth_ratio(self) -> float | None:
-        if self.inter_bytes_per_s is None or self.intra_bytes_per_s is None:
-            return None
-        return self.inter_bytes_per_s / self.intra_bytes_per_s
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # The cost model's measured error: mean |relative error| of its predicted samples/s against 61 committed benchmark
@@ -474,7 +409,7 @@ def recommend(
             + (f" -> a tie: the prediction cannot tell {best} from {runner}" if tie else " -> a winner")
         )
     flow.append(
-        f"`- recommendation: {best} {_fmt_settings(settings[best])}(predicted {preds[best].samples_per_s:.1f} "
+        f"`- recommendation: {best} {format_settings(settings[best])}(predicted {preds[best].samples_per_s:.1f} "
         f"samples/s, {preds[best].efficiency:.1%} efficiency, a target {gain:.2f}x sooner than {anchor_name})"
         + (f"; tied with {tie}" if tie else "")
     )
@@ -498,223 +433,3 @@ def _steps_factor(strategy: str, pred: Prediction, th: Thresholds) -> float:
     if strategy.startswith("hier_sync") or (strategy == "auto_sync" and pred.settings.get("mode") == "hier"):
         return th.local_sgd_steps
     return th.powersgd_steps if strategy == "ddp_powersgd" else 1.0
-
-
-def _fmt_settings(settings: dict[str, Any]) -> str:
-    return "".join(f"{k}={v} " for k, v in settings.items())
-
-
-def _shape(m: Measurements) -> list[str]:
-    return [f"trainer.num_nodes={m.nodes}", f"trainer.devices={m.procs_per_node}"]
-
-
-def hydra_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
-    """The ``syncasync-train`` overrides (names from ``conf/strategy`` and ``conf/callbacks``)."""
-    parts = ["syncasync-train", *m.overrides]
-    if strategy == "ddp_adaptive_batch":
-        parts += ["strategy=ddp", "+callbacks@callbacks.adaptive_batch=adaptive_batch"]
-    elif strategy in ("ddp_int8", "ddp_powersgd"):
-        parts += ["strategy=ddp_measured", f"strategy.compression={strategy.removeprefix('ddp_')}"]
-    elif strategy == "hsdp":
-        parts += ["strategy=hier_sync_sharded", "strategy.hsdp=true"]
-    elif strategy.startswith("hier_sync"):
-        base = "hier_sync_sharded" if strategy.startswith("hier_sync_sharded") else "hier_sync"
-        parts += [f"strategy={base}", *(f"strategy.{k}={v}" for k, v in settings.items())]
-        if strategy.endswith("_int8"):
-            parts.append("strategy.compression=int8")
-    elif strategy in ("async_ssp", "auto_sync"):
-        parts += [f"strategy={strategy}", *(f"strategy.{k}={v}" for k, v in settings.items())]
-    else:
-        parts.append(f"strategy={strategy}")
-    return " ".join(parts + _shape(m))
-
-
-_CLASS = {
-    "hier_sync": "lightning_syncasync.strategies.hier_sync.HierSyncStrategy",
-    "async_ssp": "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy",
-    "ddp_measured": "lightning_syncasync.strategies.measured_ddp.MeasuredDDPStrategy",
-    "auto_sync": "lightning_syncasync.strategies.auto_sync.AutoSyncStrategy",
-    "hier_sync_sharded": "lightning_syncasync.strategies.hier_sync_sharded.ShardedHierSyncStrategy",
-    "fsdp": "lightning.pytorch.strategies.ModelParallelStrategy",
-}
-
-
-def cli_line(strategy: str, settings: dict[str, Any], m: Measurements) -> str:
-    """The ``syncasync-cli fit`` arguments (class paths where init args are set, as jsonargparse needs)."""
-    parts = ["syncasync-cli", "fit"]
-    if strategy == "ddp_adaptive_batch":
-        parts += ["--trainer.strategy=ddp", "--trainer.callbacks+=AdaptiveBatchSize"]
-    elif strategy in ("ddp_int8", "ddp_powersgd"):
-        parts += [
-            f"--trainer.strategy={_CLASS['ddp_measured']}",
-            f"--trainer.strategy.init_args.compression={strategy.removeprefix('ddp_')}",
-        ]
-    elif strategy == "fsdp":
-        # FSDP2 over every rank: Lightning's ModelParallelStrategy with all ranks data-parallel.
-        parts += [
-            f"--trainer.strategy={_CLASS['fsdp']}",
-            f"--trainer.strategy.init_args.data_parallel_size={m.world_size}",
-            "--trainer.strategy.init_args.tensor_parallel_size=1",
-        ]
-    elif strategy == "hsdp":
-        parts += [f"--trainer.strategy={_CLASS['hier_sync_sharded']}", "--trainer.strategy.init_args.hsdp=true"]
-    elif strategy.startswith("hier_sync") or strategy in ("async_ssp", "auto_sync"):
-        base = "hier_sync" if strategy.startswith("hier_sync") else strategy
-        if strategy.startswith("hier_sync_sharded"):
-            base = "hier_sync_sharded"
-        parts.append(f"--trainer.strategy={_CLASS[base]}")
-        parts += [f"--trainer.strategy.init_args.{k}={v}" for k, v in settings.items()]
-        if strategy.endswith("_int8"):
-            parts.append("--trainer.strategy.init_args.compression=int8")
-    else:
-        parts.append(f"--trainer.strategy={strategy}")
-    return " ".join(parts + [f"--trainer.num_nodes={m.nodes}", f"--trainer.devices={m.procs_per_node}"])
-
-
-def format_predictions(
-    preds: dict[str, Prediction], allowed: Sequence[str], recommended: str, steps_factor: dict[str, float] | None = None
-) -> list[str]:
-    factor = steps_factor or {}
-    w = max([20, *(len(name) + 2 for name in preds)])
-    lines = [
-        f"{'strategy':<{w}}{'samples/s':>11}{'efficiency':>12}{'step ms':>10}{'comm ms':>10}{'wait ms':>10}"
-        f"{'steps':>7}  {'bottleneck':<15}settings"
-    ]
-    for name, p in sorted(preds.items(), key=lambda kv: -kv[1].samples_per_s / factor.get(kv[0], 1.0)):
-        mark = "*" if name == recommended else ("+" if name in allowed else " ")
-        lines.append(
-            f"{mark}{name:<{w - 1}}{p.samples_per_s:>11.1f}{p.efficiency:>11.1%}{p.step_s * 1e3:>10.1f}"
-            f"{p.comm_s * 1e3:>10.1f}{p.wait_s * 1e3:>10.1f}{factor.get(name, 1.0):>6.2f}x  {p.bottleneck:<15}"
-            f"{_fmt_settings(p.settings).strip()}"
-        )
-    lines.append(
-        "(* recommended, + allowed by the decision flow; predictions from the cost model; steps: to a target, "
-        "relative to DDP's, measured; rows ordered by time to a target)"
-    )
-    return lines
-
-
-def simulate(
-    m: Measurements,
-    nodes_list: Sequence[int],
-    strategies: Sequence[str] = CANDIDATES,
-    params: dict | None = None,
-    tolerance: float = Thresholds.settings_tolerance,
-) -> list[Prediction]:
-    """Predictions at each node count, each strategy with its settings chosen again for that size (a user would
-    retune ``inter_period``/``staleness`` for a larger cluster)."""
-    model = build_model(m, params)
-    out = []
-    for n in nodes_list:
-        settings = candidate_settings(model, n, tolerance, [s for s in strategies if s in ALL_CANDIDATES])
-        # Strategies outside the candidates (the cost model's variants, e.g. ddp_int8_allgather) at their defaults.
-        out += [model.predict(s, n, **settings.get(s, {})) for s in strategies]
-    return out
-
-
-def format_simulation(preds: Sequence[Prediction]) -> list[str]:
-    nodes = sorted({p.nodes for p in preds})
-    names = list(dict.fromkeys(p.strategy for p in preds))
-    by = {(p.strategy, p.nodes): p for p in preds}
-    w = max([20, *(len(s) + 1 for s in names)])
-    head = f"{'strategy':<{w}}" + "".join(f"{f'{n} nodes':>22}" for n in nodes)
-    lines = [head, f"{'':<{w}}" + "".join(f"{'samples/s  eff':>22}" for _ in nodes)]
-    for s in names:
-        cells = "".join(f"{by[(s, n)].samples_per_s:>14.4g} {by[(s, n)].efficiency:>6.1%}" for n in nodes)
-        lines.append(f"{s:<{w}}{cells}")
-    for s in names:
-        chosen = [f"{n}: {_fmt_settings(by[(s, n)].settings).strip()}" for n in nodes if by[(s, n)].settings]
-        if chosen and any("inter_period" in c or "staleness" in c or "mode" in c for c in chosen):
-            lines.append(f"  {s} settings by nodes: " + "; ".join(chosen))
-    return lines
-
-
-def plot_scaling(preds: Sequence[Prediction], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in dict.fromkeys(p.strategy for p in preds):
-        pts = sorted((p.nodes, p.samples_per_s, p.efficiency) for p in preds if p.strategy == s)
-        # auto_sync coincides with the mode it settles in: dashed, so both stay visible.
-        style = {"linestyle": "--", "marker": "x"} if s == "auto_sync" else {"marker": "o"}
-        ax1.plot([x[0] for x in pts], [x[1] for x in pts], label=s, **style)
-        ax2.plot([x[0] for x in pts], [x[2] for x in pts], label=s, **style)
-    ax1.set(xscale="log", yscale="log", xlabel="nodes", ylabel="predicted samples/s", title="throughput")
-    ax2.set(xscale="log", xlabel="nodes", ylabel="samples/s / no-communication limit", title="efficiency")
-    ax2.set_ylim(0, 1.05)
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-    ax2.legend(fontsize=8)
-    fig.suptitle("syncasync-advise: cost-model scaling from measured per-rank numbers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------- bench records -> calibration
-def calibration_record(record: dict[str, Any], scenario: Any, grad_bytes: float) -> dict[str, Any] | str:
-    """A ``syncasync-bench`` record in the form ``ScalingModel.calibrate`` takes, or why it is not modelled."""
-    cfg = record.get("config") or {}
-    st = cfg.get("strategy") or {}
-    target = str(st.get("_target_", ""))
-    callbacks = cfg.get("callbacks") or {}
-    adaptive = callbacks.get("adaptive_batch")
-    compression = st.get("compression") or "none"
-    settings: dict[str, Any] = {}
-    if adaptive and adaptive.get("grow_batch"):
-        return "grows the global batch (not modelled)"
-    if target.endswith("DDPStrategy") and not st.get("local_sgd"):
-        model = "ddp_adaptive_batch" if adaptive else "ddp"
-        if compression != "none":
-            if adaptive:
-                return "adaptive batches with compression (not modelled)"
-            settings["compression"] = compression
-    elif target.endswith("ModelParallelStrategy") and not adaptive:
-        if int(st.get("tensor_parallel_size") or 1) != 1:
-            return "tensor parallelism (not modelled)"
-        model = "fsdp"
-    elif target.endswith("ShardedHierSyncStrategy") and not adaptive:  # before hier_sync: its name ends the same
-        if st.get("hsdp"):
-            model = "hsdp"
-        else:
-            model = "hier_sync_sharded"
-            settings = {"inter_period": int(st.get("inter_period", 4)), "max_delay": int(st.get("max_delay", 1))}
-            if compression != "none":
-                settings["compression"] = compression
-    elif target.endswith("HierSyncStrategy") and not adaptive:
-        model = "hier_sync"
-        settings = {"inter_period": int(st.get("inter_period", 4)), "max_delay": int(st.get("max_delay", 1))}
-        if compression != "none":
-            settings["compression"] = compression
-    elif target.endswith("ShardedAsyncSSPStrategy"):  # before async_ssp: its name ends the same
-        return "async_ssp over FSDP2 shards (not modelled)"
-    elif target.endswith("AsyncSSPStrategy") and not adaptive:
-        model = "async_ssp"
-        # Records from before round-level async (no local_steps in the config) ran per step.
-        local_steps = int(st.get("local_steps", 1))
-        staleness = st.get("staleness")
-        if local_steps > 1 and staleness is None:
-            return "async_ssp rounds without a staleness bound (not modelled)"
-        settings = {"staleness": staleness, "local_steps": local_steps}
-        if compression != "none":
-            settings["compression"] = compression
-    else:
-        return f"{target.rsplit('.', 1)[-1] or 'unknown strategy'} (not modelled)"
-    ideal = record.get("ideal_per_rank_samples_per_s")
-    if not ideal or not record.get("samples_per_s"):
-        return "no ideal per-rank rates in the record"
-    jitter = None
-    if scenario.jitter:
-        p, f = scenario.jitter.split(":")
-        jitter = [float(p), float(f)]
-    procs = st.get("node_size") or scenario.procs_per_node
-    return {
-        "scenario": record["scenario"], "strategy": record["strategy"], "model_strategy": model,
-        "settings": settings, "samples_per_s": float(record["samples_per_s"]),
-        "ideal_per_rank_samples_per_s": list(ideal), "batch_size": int(cfg["data"]["batch_size"]),
-        "grad_bytes": grad_bytes, "nodes": scenario.world_size // procs, "procs_per_node": procs,
-        "link_mbit": scenario.link_mbit, "jitter": jitter,
-    }  # fmt: skip

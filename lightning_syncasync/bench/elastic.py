@@ -46,6 +46,7 @@ import logging
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,6 @@ from lightning_syncasync.emulate.replica_groups import (
 )
 
 if TYPE_CHECKING:
-    from lightning_syncasync.bench.runner import BenchRunner, Contender
     from lightning_syncasync.bench.scenarios import Scenario
 
 log = logging.getLogger(__name__)
@@ -92,18 +92,44 @@ def fault_schedule(scenario: Scenario, budget_s: float) -> str:
     return ",".join(items)
 
 
-def run_elastic(
-    runner: BenchRunner, scenario: Scenario, contender: Contender, rep: int, ideal: dict[str, Any]
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ElasticRun:
+    """What the bench's runner hands the launcher for one (contender, repeat): the launcher never reads the runner.
+
+    Args:
+        contender: the contender's name (the record's ``strategy``).
+        rep: the repeat.
+        overrides: the contender's ``syncasync-train`` overrides on the scenario, as a flat run would take them.
+        steps: the training budget per rank.
+        train_seed: the repeat's ``seed=``.
+        out_dir: the bench's output folder; the run's files go to ``<out_dir>/<scenario>/<contender>/rep<rep>``.
+        quick: the scenario's quick budget and target.
+        netns: emulate the link in network namespaces (where the scenario has one).
+        run_timeout_s: the whole run's time limit.
+    """
+
+    contender: str
+    rep: int
+    overrides: list[str]
+    steps: int
+    train_seed: int
+    out_dir: Path
+    quick: bool
+    netns: bool
+    run_timeout_s: float
+
+
+def run_elastic(job: ElasticRun, scenario: Scenario, ideal: dict[str, Any]) -> dict[str, Any]:
     """One (contender, repeat) of a node-fault scenario; the record has the usual fields and the ones above."""
-    run_dir = runner.out_dir / scenario.name / contender.name / f"rep{rep}"
+    rep = job.rep
+    run_dir = job.out_dir / scenario.name / job.contender / f"rep{rep}"
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a restarted job resumes from checkpoints/last.ckpt: never from an older run's
     run_dir.mkdir(parents=True)
-    steps = runner._steps(scenario)
+    steps = job.steps
     budget_s = budget_time_s(scenario, steps, ideal["samples_per_s"])
     faults = fault_schedule(scenario, budget_s)
-    base = runner._contender_overrides(scenario, contender, rep)
+    base = job.overrides
     ft = runs_fault_tolerant(base)
     ppn = scenario.procs_per_node
     if ft:
@@ -134,21 +160,21 @@ def run_elastic(
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     clock_env, origin = first_step_clock(run_dir, scenario.nodes)
     env.update(clock_env)
-    netns = runner.netns and scenario.netns
+    netns = job.netns and scenario.netns
     cores = 0.75 * usable_cores() / scenario.world_size * ppn  # the ideal's per-rank shares (EmulatedCluster)
     cluster = ReplicaGroupCluster(
         nodes=scenario.nodes, procs_per_node=ppn, link_mbit=scenario.link_mbit if netns else None, netns=netns,
         faults=faults, lighthouse=ft, cores_per_node=cores, origin=origin, env=env, log_dir=run_dir / "logs",
         echo=False, faults_setting=f"scenario {scenario.name!r} node_faults",
     )  # fmt: skip
-    log.info("[%s] %s rep %d (%s; faults %s)", scenario.name, contender.name, rep,
+    log.info("[%s] %s rep %d (%s; faults %s)", scenario.name, job.contender, rep,
              "fault-tolerant" if ft else "torchrun restarts", faults or "none")  # fmt: skip
     start = time.monotonic()
-    report = cluster.run(cmd, timeout_s=runner.run_timeout_s)
+    report = cluster.run(cmd, timeout_s=job.run_timeout_s)
     wall = time.monotonic() - start
     record: dict[str, Any] = {
-        "scenario": scenario.name, "strategy": contender.name, "repeat": rep, "train_seed": runner.train_seed(rep),
-        "quick": runner.quick, "target": scenario.quick_target if runner.quick else scenario.target,
+        "scenario": scenario.name, "strategy": job.contender, "repeat": rep, "train_seed": job.train_seed,
+        "quick": job.quick, "target": scenario.quick_target if job.quick else scenario.target,
         "val_metric_name": scenario.metric, "steps": steps, "run_dir": str(run_dir), "wall_s": wall,
         "samples_per_s": None, "time_to_target_s": None, "final_val_metric": None, "inter_node_bytes_per_step": None,
         "config": None, "elastic_launch": "torchft" if ft else "torchrun_restarts", "faults": faults,
@@ -159,11 +185,11 @@ def run_elastic(
     if report.interrupted or report.failed:
         bad = ", ".join(f"node {r.node} exit {r.exit_code} ({r.log})" for r in report.failed) or "interrupted"
         record["error"] = f"run failed: {bad}; logs in {run_dir / 'logs'}"
-        log.error("[%s] %s rep %d failed: %s", scenario.name, contender.name, rep, record["error"])
+        log.error("[%s] %s rep %d failed: %s", scenario.name, job.contender, rep, record["error"])
         return record
     node_rates = [sum(ideal["per_rank"][n * ppn : (n + 1) * ppn]) for n in range(scenario.nodes)]
     record["node_rates"] = node_rates
-    record.update(measure(run_dir, scenario, runner.quick, node_rates, ft))
+    record.update(measure(run_dir, scenario, job.quick, node_rates, ft))
     return record
 
 

@@ -33,87 +33,55 @@ would time itself in another process) and without those that need two or more ra
 reference: the DDP-based strategies carry its wrapper, so a gap that ``ddp`` shows too is not theirs. Any registered
 name, Lightning's own included (``--strategies ddp,hier_sync``), can be given; Lightning's are reported but left out
 of the target.
+
+The measurements live beside this module: the device's in ``bench/_gpu_device.py``, the timed fits in
+``bench/_gpu_fit.py``, the GPU tests' results in ``bench/_gpu_junit.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import gc
-import importlib.metadata
 import json
 import logging
-import os
-import platform
 import shlex
-import shutil
-import socket
-import statistics
 import sys
 import time
-import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_syncasync.bench._gpu_device import (
+    CAST_METHODS,
+    COMPARED_METHOD,
+    DEFAULT_METHODS,
+    device_info,
+    measure_bandwidth,
+    measure_codec,
+)
+from lightning_syncasync.bench._gpu_fit import (
+    BASELINE,
+    DATA_KWARGS,
+    EXCLUDED_AT_WORLD_SIZE_1,
+    MODEL_KWARGS,
+    default_strategies,
+    measure_strategies,
+)
+from lightning_syncasync.bench._gpu_junit import read_pytest
+
 log = logging.getLogger(__name__)
 
 PROG = "python -m lightning_syncasync.bench.gpu"
-BASELINE = "auto"
 # Lightning's own DDP at one rank, run by default as a reference (outside the target): the DDP-based strategies carry
 # its wrapper, whose host time per step is Lightning's and torch's, not the pack's (scripts/host_overhead.py measured
 # about 0.2 ms per step on a CPU), so a gap to plain Lightning that `ddp` shows too is not the strategies' own.
 LIGHTNING_DDP = "ddp"
-# Plain Lightning with SyncMonitor: what the monitor's synchronisation at each step's end costs (cuda_sync). A row of
-# its own, outside the strategies' target.
-MONITORED = "auto+sync_monitor"
-DEFAULT_METHODS: tuple[str, ...] = ("int8", "int4", "sign", "fp16", "bf16")
-CAST_METHODS: tuple[str, ...] = ("fp16", "bf16")  # timed by Compressor.time_codec as their casts
-# Bytes of codes per element of the chunked codecs (their scales, 4 B per chunk of 256, left out), for the fused bound.
-CODE_BYTES_PER_ELEMENT: dict[str, float] = {"int8": 1.0, "int4": 0.5, "sign": 0.125}
-# Timed with both codecs, eager and fused (``Compressor(codec=...)``); the other methods with the device's default.
-COMPARED_METHOD = "int8"
 # The targets of the issue this check was written for: the int8 codec at 30% of the memory bandwidth or more, and
 # every strategy of this package at 97% of plain Lightning's steps/s or more at one rank.
 INT8_TARGET_FRACTION = 0.30
 STRATEGY_TARGET_RATIO = 0.97
 TARGET_INT8 = "int8_fraction_of_bandwidth>=0.30"
 TARGET_STRATEGIES = "every_strategy_within_3pct"
-# Registered names left out of the default (each can still be given to --strategies): the first three refuse a single
-# rank at setup, with a ValueError saying so.
-EXCLUDED_AT_WORLD_SIZE_1: dict[str, str] = {
-    "hier_sync_virtual": "splits each machine's ranks into 2 virtual nodes: needs an even number of ranks, 2 or more",
-    "hier_sync_sharded": "FSDP2 shards inside each node: needs 2 or more ranks per node",
-    "async_ssp_sharded": "FSDP2 shards inside each node: needs 2 or more ranks per node",
-    # It does run at one rank (on CPU); on CUDA it is Lightning's DeepSpeedStrategy unchanged, and DeepSpeed's start
-    # (an optional dependency that may build CUDA ops) does not fit the check's time budget.
-    "deepspeed_cpu": "on CUDA it is Lightning's own DeepSpeedStrategy unchanged; needs the optional deepspeed package",
-    "hier_sync_ft": "one job per node joined through a torchft Lighthouse: needs a Lighthouse (syncasync-train ft=N)",
-    "async_ssp_ft": "one job per node joined through a torchft Lighthouse: needs a Lighthouse (syncasync-train ft=N)",
-}
-# The transformer demo at its Hydra defaults (conf/model/transformer_lm.yaml, conf/data/text.yaml): ~3 M parameters.
-MODEL_KWARGS: dict[str, Any] = {
-    "vocab_size": 256,
-    "d_model": 256,
-    "n_layers": 4,
-    "n_heads": 4,
-    "seq_len": 64,
-    "lr": 1e-3,
-}
-DATA_KWARGS: dict[str, Any] = {"seq_len": 64, "batch_size": 32}
-BANDWIDTH_REPS = 10
-CODEC_REPS = 5
-ERROR_CHARS = 2000  # a strategy's error message in the JSON, cut to this length (tracebacks go to the log)
-
-
-def default_strategies() -> list[str]:
-    """This package's registered names that make sense at ``devices=1`` on one GPU, in table order."""
-    from lightning_syncasync.strategies import pack_strategy_names
-
-    return [n for n in pack_strategy_names() if not n.endswith("_spawn") and n not in EXCLUDED_AT_WORLD_SIZE_1]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,283 +195,7 @@ def check_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"{setting} must be >= {low}, got {value}; HINT: leave it out for the default")
 
 
-# -- measurements -----------------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def device_info(device: torch.device) -> dict[str, Any]:
-    import lightning
-
-    import lightning_syncasync
-
-    info: dict[str, Any] = {
-        "kind": device.type,
-        "index": device.index,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "lightning": lightning.__version__,
-        "lightning_syncasync": lightning_syncasync.__version__,
-        "python": platform.python_version(),
-        # What the fused codec needs (Triton builds its launcher with a C compiler): without either, "auto" is eager.
-        "triton": _version("triton"),
-        "c_compiler": shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),
-        "hostname": socket.gethostname(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(
-            name=torch.cuda.get_device_name(device),
-            capability=f"{props.major}.{props.minor}",
-            total_memory_gib=round(props.total_memory / 2**30, 1),
-            cudnn=torch.backends.cudnn.version(),
-        )
-        with contextlib.suppress(Exception):  # NCCL's version is informative only; ROCm and CPU-only builds lack it
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    else:
-        info.update(
-            name=platform.processor() or platform.machine(), cpus=os.cpu_count(), threads=torch.get_num_threads()
-        )
-    return info
-
-
-def measure_bandwidth(device: torch.device, numel: int, reps: int = BANDWIDTH_REPS) -> dict[str, Any]:
-    """Device-to-device copy of ``numel`` fp32 elements: (bytes read + bytes written) / median seconds."""
-    src = torch.randn(numel, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):  # two warm-ups: the first copy pays for page mapping and kernel selection
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    median = statistics.median(times[2:])
-    moved = 2 * src.numel() * src.element_size()
-    del src, dst
-    return {
-        "bytes_copied": moved // 2,
-        "bytes_moved": moved,
-        "median_s": median,
-        "reps": reps,
-        "gbps": moved / median / 1e9,
-    }
-
-
-def measure_codec(
-    method: str, numel: int, device: torch.device, bandwidth_gbps: float, codec_setting: str = "auto"
-) -> dict[str, Any]:
-    from lightning_syncasync.algorithms.compression.compressor import Compressor
-
-    plain: tuple[float, float] | None = None
-    try:
-        codec = Compressor(method, codec=codec_setting)  # type: ignore[arg-type]
-        encode_s, decode_s = codec.time_codec(numel, reps=CODEC_REPS, device=device)
-        if method not in CAST_METHODS:
-            # Without error feedback too: the residual's read and write are a fixed share of the bytes a codec moves
-            # (the bound in the module docstring), so both figures are needed to see how far from fused the codec is.
-            plain = codec.time_codec(numel, reps=CODEC_REPS, device=device, error_feedback=False)
-    except Exception as err:  # a codec that fails on this device is a result, not the end of the check
-        log.warning("compression %s failed on %s", method, device, exc_info=True)
-        return {"encode_s": None, "decode_s": None, "gbps": None, "fraction_of_bandwidth": None, "error": _text(err)}
-    finally:
-        _free(device)
-    gbps = numel * 4 / (encode_s + decode_s) / 1e9
-    fraction = gbps / bandwidth_gbps
-    code = CODE_BYTES_PER_ELEMENT.get(method)
-    out = {
-        "codec": codec.kernels.mode(device) if method not in CAST_METHODS else "cast",
-        "encode_s": encode_s,
-        "decode_s": decode_s,
-        "gbps": gbps,
-        "fraction_of_bandwidth": fraction,
-        "error": None,
-    }
-    if code is not None:
-        # The fused bound (module docstring): the bytes a codec must move per element, 4 of them the fp32 input.
-        out.update(bound_fraction=4 / (16 + 2 * code), share_of_bound=fraction * (16 + 2 * code) / 4)
-    if plain is not None:
-        plain_gbps = numel * 4 / sum(plain) / 1e9
-        out.update(
-            encode_s_without_error_feedback=plain[0],
-            gbps_without_error_feedback=plain_gbps,
-            fraction_without_error_feedback=plain_gbps / bandwidth_gbps,
-        )
-        if code is not None:
-            out.update(
-                bound_fraction_without_error_feedback=4 / (12 + 2 * code),
-                share_of_bound_without_error_feedback=plain_gbps / bandwidth_gbps * (12 + 2 * code) / 4,
-            )
-    return out
-
-
-def _text(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"[:ERROR_CHARS]
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _step_timer(warmup: int, steps: int, device: torch.device) -> Any:
-    from lightning.pytorch import Callback
-
-    class StepTimer(Callback):
-        """Clock from the end of the warm-up's last batch to the end of the last timed one, the device synchronised
-        at both ends, so neither start-up costs nor kernels still queued at the end count."""
-
-        def __init__(self) -> None:
-            self.start: tuple[int, float] | None = None
-            self.end: tuple[int, float] | None = None
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            # global_step counts optimizer steps, as max_steps does.
-            step = trainer.global_step
-            if self.start is None and step >= warmup:
-                _sync(device)
-                self.start = (step, time.perf_counter())
-            elif self.start is not None and self.end is None and step >= warmup + steps:
-                _sync(device)
-                self.end = (step, time.perf_counter())
-
-        def steps_per_s(self) -> float:
-            if self.start is None or self.end is None:
-                raise RuntimeError(
-                    f"the fit stopped before the timed window closed (started: {self.start is not None}); HINT: the "
-                    "strategy ends fits early or does not count optimizer steps in trainer.global_step"
-                )
-            return (self.end[0] - self.start[0]) / (self.end[1] - self.start[1])
-
-    return StepTimer()
-
-
-@contextlib.contextmanager
-def _quiet_lightning(verbose: bool) -> Iterator[None]:
-    """Lightning announces its accelerator and process group on every fit; 2 x 10 lines per round bury the table."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_syncasync")]
-    levels = [lg.level for lg in loggers]
-    if not verbose:
-        for lg in loggers:
-            lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def fit_steps_per_s(
-    strategy: str,
-    device: torch.device,
-    warmup: int,
-    steps: int,
-    seed: int,
-    verbose: bool,
-    fit: Callable[[Any], None] | None = None,
-) -> tuple[float, str]:
-    """Steps/s of one fit with ``strategy`` at ``devices=1``, and the strategy's class. ``fit(trainer)`` runs the
-    fit (default: the transformer demo; ``scripts/host_overhead.py`` passes a model too small to compute)."""
-    import lightning as L
-
-    timer = _step_timer(warmup, steps, device)
-    callbacks: list[Any] = [timer]
-    if strategy == MONITORED:
-        from lightning_syncasync.callbacks import SyncMonitor
-
-        strategy = BASELINE
-        callbacks.append(SyncMonitor(progress_bar=False, print_summary=False))
-    # Lightning writes MASTER_PORT (and friends) into os.environ on the first distributed fit and reuses them; each
-    # fit gets the environment it started with back, so the next one picks a free port of its own.
-    environ = dict(os.environ)
-    try:
-        with _quiet_lightning(verbose):
-            torch.manual_seed(seed)  # the same initial weights for every contender
-            trainer = L.Trainer(
-                accelerator=device.type,
-                devices=[device.index] if device.type == "cuda" else 1,
-                strategy=strategy,
-                max_steps=warmup + steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                limit_val_batches=0,
-                callbacks=callbacks,
-            )
-            if fit is None:
-                from lightning_syncasync.demo import TextDataModule, TransformerLM
-
-                trainer.fit(TransformerLM(**MODEL_KWARGS), datamodule=TextDataModule(**DATA_KWARGS))
-            else:
-                fit(trainer)
-        return timer.steps_per_s(), type(trainer.strategy).__name__
-    finally:
-        # At devices=1 every DDP-based strategy still initialises a (one-rank) default process group and leaves it
-        # behind, also after a successful fit; the next fit would silently reuse it (another strategy's backend and
-        # subgroups), so each fit tears it down.
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-        _free(device)
-
-
-def measure_strategies(
-    names: list[str], device: torch.device, args: argparse.Namespace, on_fit: Any = None
-) -> dict[str, dict[str, Any]]:
-    """Plain Lightning and ``names``, interleaved over ``args.rounds`` rounds (drift hits all alike); medians.
-
-    A strategy that raises is recorded with its error and not run again; the others go on. ``on_fit(results)``
-    after every fit: a check stopped by its time limit keeps every figure it read."""
-    contenders = [BASELINE, MONITORED, *names]
-    results: dict[str, dict[str, Any]] = {
-        n: {"median": None, "runs": [], "ratio_to_plain": None, "strategy_class": None, "error": None}
-        for n in contenders
-    }
-    for r in range(args.rounds):
-        for name in contenders:
-            rec = results[name]
-            if rec["error"] is not None:
-                continue
-            t0 = time.perf_counter()
-            try:
-                rate, cls = fit_steps_per_s(name, device, args.warmup_steps, args.steps, args.seed, args.verbose)
-            except Exception as err:  # one failing strategy must not hide the others' numbers
-                log.warning("round %d: %s failed", r + 1, name, exc_info=True)
-                rec["error"] = _text(err)
-            else:
-                rec["runs"].append(rate)
-                rec["strategy_class"] = cls
-                log.info("round %d/%d: %s %.2f steps/s (fit %.1f s)", r + 1, args.rounds, name, rate,
-                         time.perf_counter() - t0)  # fmt: skip
-            if on_fit is not None:
-                on_fit(_with_medians(results))
-    return _with_medians(results)
-
-
-def _with_medians(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    for rec in results.values():
-        rec["median"] = statistics.median(rec["runs"]) if rec["runs"] else None
-    plain = results[BASELINE]["median"]
-    for rec in results.values():
-        rec["ratio_to_plain"] = rec["median"] / plain if plain and rec["median"] is not None else None
-    return results
+# -- targets and output -----------------------------------------------------------------------------------------------
 
 
 def targets(summary: dict[str, Any]) -> dict[str, bool | None]:
@@ -523,53 +215,6 @@ def targets(summary: dict[str, Any]) -> dict[str, bool | None]:
     else:
         strategies_ok = all(rec["error"] is None and rec["ratio_to_plain"] >= STRATEGY_TARGET_RATIO for rec in ours)
     return {TARGET_INT8: int8_ok, TARGET_STRATEGIES: strategies_ok}
-
-
-# -- pytest results ---------------------------------------------------------------------------------------------------
-
-
-def _read_pytest(args: argparse.Namespace) -> dict[str, Any] | None:
-    if args.pytest_json is None and args.pytest_junitxml is None and args.pytest_exit_code is None:
-        return None
-    out: dict[str, Any] = {"exit_code": args.pytest_exit_code}
-    if args.pytest_json is not None:
-        try:
-            out["json"] = json.loads(Path(args.pytest_json).read_text())
-        except (OSError, ValueError) as err:  # the benchmark's numbers are worth keeping without the test results
-            out["json"] = {"error": f"--pytest-json {args.pytest_json}: {_text(err)}"}
-    if args.pytest_junitxml is not None:
-        try:
-            out["junit"] = summarise_junit(Path(args.pytest_junitxml))
-        except (OSError, ET.ParseError) as err:
-            out["junit"] = {"error": f"--pytest-junitxml {args.pytest_junitxml}: {_text(err)}"}
-    return out
-
-
-def summarise_junit(path: Path) -> dict[str, Any]:
-    """Counts and each test's outcome (with the failure's message) from a pytest ``--junitxml`` file."""
-    root = ET.parse(path).getroot()
-    cases = []
-    for case in root.iter("testcase"):
-        outcome, message = "passed", None
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (node.get("message") or node.text or "")[:ERROR_CHARS]
-                break
-        cases.append(
-            {
-                "name": f"{case.get('classname', '')}::{case.get('name', '')}",
-                "outcome": outcome,
-                "time_s": float(case.get("time", 0.0)),
-                "message": message,
-            }
-        )
-    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
-    return {**counts, "tests": len(cases), "cases": cases}
-
-
-# -- output -----------------------------------------------------------------------------------------------------------
 
 
 def _write(path: Path, summary: dict[str, Any]) -> None:
@@ -658,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "excluded_at_world_size_1": EXCLUDED_AT_WORLD_SIZE_1,
         },
     }
-    pytest_results = _read_pytest(args)
+    pytest_results = read_pytest(args)
     if pytest_results is not None:
         summary["pytest"] = pytest_results
 

@@ -42,7 +42,7 @@ from lightning_syncasync.bench.evidence import (
     rule_target,
     time_to,
 )
-from lightning_syncasync.bench.report import samples_or_budget, samples_to_target, side_by_side
+from lightning_syncasync.bench.tables import samples_or_budget, samples_to_target, side_by_side
 
 
 @dataclass(frozen=True)

@@ -37,19 +37,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_syncasync.bench._elastic_report import elastic_answers, elastic_table
 from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_ratio
 from lightning_syncasync.bench.phases import changing, phase_table
 from lightning_syncasync.bench.pooled import PooledLearning
-from lightning_syncasync.bench.report import (
-    elastic_answers,
-    elastic_table,
-    learning_table,
-    ranking_lines,
-    scenario_table,
-    side_by_side,
-    summarise,
-)
 from lightning_syncasync.bench.scenarios import lookup
+from lightning_syncasync.bench.tables import learning_table, ranking_lines, scenario_table, side_by_side, summarise
 
 _BLOCK = re.compile(
     r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled|against|sweep) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)",

@@ -249,10 +249,8 @@ class BenchRunner:
                 if item is None:
                     ideal = self._run_ideal(scenario, rep)
                 elif scenario.elastic:
-                    from lightning_syncasync.bench.elastic import run_elastic
-
                     assert ideal is not None
-                    rep_records.append(run_elastic(self, scenario, item, rep, ideal))
+                    rep_records.append(self._run_elastic(scenario, item, rep, ideal))
                 else:
                     rep_records.append(self._run_contender(scenario, item, rep))
             assert ideal is not None
@@ -435,6 +433,18 @@ class BenchRunner:
                                             boundaries(scenario), scenario.metric)  # fmt: skip
             record["link_changes"] = report.link_changes
         return record
+
+    def _run_elastic(self, scenario: Scenario, contender: Contender, rep: int, ideal: dict[str, Any]) -> dict[str, Any]:
+        """One (contender, repeat) of a node-fault scenario, one job per node (:mod:`lightning_syncasync.bench.elastic`,
+        which gets what it needs from here and never imports the runner)."""
+        from lightning_syncasync.bench.elastic import ElasticRun, run_elastic
+
+        job = ElasticRun(
+            contender=contender.name, rep=rep, overrides=self._contender_overrides(scenario, contender, rep),
+            steps=self._steps(scenario), train_seed=self.train_seed(rep), out_dir=self.out_dir, quick=self.quick,
+            netns=self.netns, run_timeout_s=self.run_timeout_s,
+        )  # fmt: skip
+        return run_elastic(job, scenario, ideal)
 
     def _run_ideal(self, scenario: Scenario, rep: int) -> dict[str, Any]:
         run_dir = self.out_dir / scenario.name / IDEAL / f"rep{rep}"

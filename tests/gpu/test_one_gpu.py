@@ -9,12 +9,12 @@ import pytest
 from _gpu import ACCELERATOR, CUDA, DRY_RUN, gpu_tests, lightning_accelerator, misplaced
 from _ranks import run_ranks
 
-from lightning_syncasync.bench.gpu import EXCLUDED_AT_WORLD_SIZE_1
+from lightning_syncasync.bench._gpu_fit import EXCLUDED_AT_WORLD_SIZE_1
 from lightning_syncasync.strategies._registry import pack_strategy_names
 
 pytestmark = gpu_tests
 
-# The names that run on one rank (the benchmark's list and reasons: lightning_syncasync/bench/gpu.py); the sharded
+# The names that run on one rank (the benchmark's list and reasons: lightning_syncasync/bench/_gpu_fit.py); the sharded
 # ones need 2 ranks per node, which one GPU cannot give NCCL. deepspeed_cpu has the presets test below.
 ONE_RANK = [n for n in pack_strategy_names() if not n.endswith("_spawn") and n not in EXCLUDED_AT_WORLD_SIZE_1]
 

@@ -13,18 +13,11 @@ import torch
 from _commands import run_main
 
 from lightning_syncasync.advise.__main__ import main
+from lightning_syncasync.advise._lines import hydra_line
+from lightning_syncasync.advise.measurements import Measurements
+from lightning_syncasync.advise.predictions import format_predictions, format_simulation, simulate
 from lightning_syncasync.advise.probe import device_memory_bytes, training_state_bytes
-from lightning_syncasync.advise.report import (
-    CANDIDATES,
-    SHARDED_CANDIDATES,
-    Measurements,
-    Thresholds,
-    format_predictions,
-    format_simulation,
-    hydra_line,
-    recommend,
-    simulate,
-)
+from lightning_syncasync.advise.report import CANDIDATES, SHARDED_CANDIDATES, Thresholds, recommend
 from lightning_syncasync.emulate.cluster import free_port
 
 ADVISE = [sys.executable, "-m", "lightning_syncasync.advise"]

@@ -8,8 +8,9 @@ import pytest
 from _commands import CommandFailed, run_main
 
 from lightning_syncasync.bench.__main__ import main as bench_main
-from lightning_syncasync.bench.report import merge_results, summarise, write_report
+from lightning_syncasync.bench.report import merge_results, write_report
 from lightning_syncasync.bench.runner import BASELINES, CONTENDER_DIR, check_launcher, resolve_contenders
+from lightning_syncasync.bench.tables import summarise
 
 
 @pytest.mark.timeout(300)
@@ -177,16 +178,16 @@ def test_results_accumulate_and_a_rerun_replaces_its_records(tmp_path):
 
 
 def test_report_explains_a_bounded_staleness_result_under_a_persistent_straggler():
-    from lightning_syncasync.bench.report import _explain
+    from lightning_syncasync.bench._answers import explain
 
     cfg = {"strategy": {"_target_": "lightning_syncasync.strategies.async_ssp.AsyncSSPStrategy", "staleness": 4}}
     s = {"runs": [{"config": cfg}], "efficiency": 0.7, "wait_frac": 0.25}
-    line = _explain("straggler", "async_ssp", s)
+    line = explain("straggler", "async_ssp", s)
     assert "staleness 4" in line and "70.0% of the limit" in line and "25.0%" in line
-    assert _explain("jitter", "async_ssp", s) == ""  # only where persistence matters
+    assert explain("jitter", "async_ssp", s) == ""  # only where persistence matters
     cfg["strategy"]["staleness"] = None
-    assert "ASP" in _explain("straggler", "async_asp", s)
-    assert _explain("straggler", "ddp", {"runs": [{"config": {"strategy": {"_target_": "DDPStrategy"}}}]}) == ""
+    assert "ASP" in explain("straggler", "async_asp", s)
+    assert explain("straggler", "ddp", {"runs": [{"config": {"strategy": {"_target_": "DDPStrategy"}}}]}) == ""
 
 
 def test_the_bound_is_the_contenders_own_no_wait_speed_where_that_beats_the_ideal(tmp_path, monkeypatch):
@@ -254,12 +255,12 @@ def test_help_names_the_report_subcommand_and_the_smoke_scenario(capsys):
 
 
 def test_optimizer_state_ratio_reads_the_right_way_round():
-    from lightning_syncasync.bench.report import _size_ratio
+    from lightning_syncasync.bench.tables import size_ratio
 
-    assert _size_ratio(4.0, 1.0) == "4.00x smaller"
-    assert _size_ratio(1.0, 1.5) == "1.50x larger"
-    assert _size_ratio(1.0, 1.004) == "the same"
-    assert _size_ratio(None, 1.0) == "n/a"
+    assert size_ratio(4.0, 1.0) == "4.00x smaller"
+    assert size_ratio(1.0, 1.5) == "1.50x larger"
+    assert size_ratio(1.0, 1.004) == "the same"
+    assert size_ratio(None, 1.0) == "n/a"
 
 
 def test_every_contender_file_loads_composes_and_says_what_it_is():

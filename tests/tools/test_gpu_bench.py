@@ -17,21 +17,17 @@ import torch
 import torch.distributed as dist
 from _commands import CommandFailed, run_main
 
-from lightning_syncasync.bench.gpu import (
+from lightning_syncasync.bench._gpu_device import DEFAULT_METHODS
+from lightning_syncasync.bench._gpu_fit import (
     BASELINE,
     DATA_KWARGS,
-    DEFAULT_METHODS,
     EXCLUDED_AT_WORLD_SIZE_1,
     MODEL_KWARGS,
     MONITORED,
-    TARGET_INT8,
-    TARGET_STRATEGIES,
-    build_parser,
     default_strategies,
     measure_strategies,
-    resolve_strategies,
-    targets,
 )
+from lightning_syncasync.bench.gpu import TARGET_INT8, TARGET_STRATEGIES, build_parser, resolve_strategies, targets
 from lightning_syncasync.bench.gpu import main as gpu_main
 from lightning_syncasync.strategies import pack_strategy_names
 

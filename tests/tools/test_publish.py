@@ -187,7 +187,7 @@ def _learning_rec(strategy: str, seed: int, hits: list[float], final: float, tt:
 
 
 def test_learning_per_sample_is_matched_seed_by_seed_against_ddp():
-    from lightning_syncasync.bench.report import learning_table, samples_to_target, summarise
+    from lightning_syncasync.bench.tables import learning_table, samples_to_target, summarise
 
     ddp0 = _learning_rec("ddp", 0, [0.9, 0.97, 0.97, 0.98], 0.98, 10.0, 100.0)  # target at epoch 2 of 4
     assert samples_to_target(ddp0) == 2 / 4 * 400 * 4 * 10
