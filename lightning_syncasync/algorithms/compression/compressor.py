@@ -38,7 +38,8 @@ for two-phase; what crosses the wire is about twice the payload for two-phase an
 all-gather (``last_wire``).
 * ``powersgd``: rank-``r`` approximation ``P Q^T`` of each matrix, two all-reduces of the small factors, warm-started
   ``Q`` (Vogels et al., "PowerSGD", NeurIPS 2019). One-dimensional tensors (biases, norms) go uncompressed, as in
-  torch's ``powerSGD_hook``. A flat tensor without shapes is viewed as a matrix with ``matrix_cols`` columns.
+  torch's ``powerSGD_hook``. A flat tensor without shapes is viewed as a matrix with ``matrix_cols`` columns. Its
+  arithmetic lives in ``_powersgd.py``.
 
 Error feedback (Seide et al., 2014; Karimireddy et al., 2019): what compression drops from a tensor is kept as a
 residual under the caller's key and added to the next tensor sent under that key, so nothing is lost, only delayed.
@@ -54,7 +55,6 @@ Everything is plain torch and runs on gloo and NCCL.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal
 
@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import all_gather_flat, all_reduce_, all_to_all_flat
 from lightning_syncasync.algorithms.compression._codec import CHECKED_CALLS, CODECS, Codec, Kernels
+from lightning_syncasync.algorithms.compression._powersgd import _PowerSGD
 from lightning_syncasync.algorithms.streams import wait_for_device
 
 Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]
@@ -91,7 +92,7 @@ def add_server_residual_(total: torch.Tensor, server: torch.Tensor, world: int, 
     total[lo:hi] += world * server[: hi - lo].to(total.device)
 
 
-class Compressor:
+class Compressor(_PowerSGD):
     """Compressed mean over a process group, with error feedback and exact byte accounting.
 
     Args:
@@ -520,85 +521,6 @@ class Compressor:
         sent_ag, recv_ag = _wire("all_gather", mine.numel(), world)
         self.last_wire = (sent_a2a + sent_ag, recv_a2a + recv_ag)
         return mean, kept, payload.numel() + mine.numel()
-
-    # -- powersgd -----------------------------------------------------------------------------------------------
-
-    def _matrices(self, numel: int, shapes: list[torch.Size] | None) -> list[tuple[int, int, int]]:
-        """``(offset, rows, cols)`` of each piece: matrices to compress (rows, cols > 1) and flat pieces (cols=0)."""
-        if shapes is None:
-            cols = min(self.matrix_cols, numel)
-            rows = numel // cols
-            out = [(0, rows, cols)] if self._pays(rows, cols) else [(0, rows * cols, 0)]
-            done = rows * cols
-            return out + ([(done, numel - done, 0)] if done < numel else [])
-        out, offset = [], 0
-        for shape in shapes:
-            n = math.prod(shape)
-            rows = shape[0] if len(shape) else 1
-            cols = n // rows if rows else 0
-            out.append((offset, rows, cols) if len(shape) >= 2 and self._pays(rows, cols) else (offset, n, 0))
-            offset += n
-        if offset != numel:
-            raise ValueError(f"shapes hold {offset} elements, the tensor {numel}")
-        return out
-
-    def _pays(self, rows: int, cols: int) -> bool:
-        # Compress only where the factors are smaller than the matrix (torch's powerSGD_hook's rule).
-        return rows > self.rank and cols > self.rank and (rows + cols) * self.rank < rows * cols
-
-    def _powersgd(
-        self, flat: torch.Tensor, group: dist.ProcessGroup | None, key: str, world: int, shapes: list[torch.Size] | None
-    ) -> tuple[torch.Tensor, int]:
-        pieces = self._matrices(flat.numel(), shapes)
-        mats = [(i, o, r, c) for i, (o, r, c) in enumerate(pieces) if c]
-        plain = [(o, r) for o, r, c in pieces if not c]
-        out = torch.empty_like(flat)
-        nbytes = 0
-        if plain:
-            # The uncompressed pieces travel together in one all-reduce.
-            rest = torch.cat([flat[o : o + n] for o, n in plain])
-            all_reduce_(rest, group)
-            nbytes += rest.numel() * rest.element_size()
-            rest /= world
-            pos = 0
-            for o, n in plain:
-                out[o : o + n] = rest[pos : pos + n]
-                pos += n
-        if mats:
-            ms = [flat[o : o + r * c].view(r, c) for _, o, r, c in mats]
-            qs = []
-            for i, _, _, c in mats:
-                fkey = f"{key}/{i}"
-                if fkey not in self.factors or self.factors[fkey].shape != (c, self.rank):
-                    # Drawn on the CPU, then moved: the same first factors on every device type.
-                    gen = torch.Generator().manual_seed(self.factor_seed * 1_000_003 + i)
-                    self.factors[fkey] = torch.randn(c, self.rank, generator=gen, device="cpu").to(flat.device)
-                qs.append(self.factors[fkey].to(flat.device))
-            ps = [m @ q for m, q in zip(ms, qs, strict=True)]
-            p_flat = torch.cat([p.reshape(-1) for p in ps])
-            all_reduce_(p_flat, group)
-            nbytes += p_flat.numel() * p_flat.element_size()
-            pos = 0
-            for j, p in enumerate(ps):
-                ps[j] = _orthonormal(p_flat[pos : pos + p.numel()].view_as(p))
-                pos += p.numel()
-            qs = [m.t() @ p for m, p in zip(ms, ps, strict=True)]
-            q_flat = torch.cat([q.reshape(-1) for q in qs])
-            all_reduce_(q_flat, group)
-            nbytes += q_flat.numel() * q_flat.element_size()
-            q_flat /= world
-            pos = 0
-            for (i, o, r, c), p in zip(mats, ps, strict=True):
-                q = q_flat[pos : pos + c * self.rank].view(c, self.rank)
-                pos += q.numel()
-                self.factors[f"{key}/{i}"] = q.clone()  # warm start: next step's power iteration begins here
-                out[o : o + r * c] = (p @ q.t()).reshape(-1)
-        return out, nbytes
-
-
-def _orthonormal(p: torch.Tensor) -> torch.Tensor:
-    # Reduced QR: the columns of P become an orthonormal basis (Gram-Schmidt in the paper; QR is the stable form).
-    return torch.linalg.qr(p, mode="reduced").Q
 
 
 def _check_tensor(tensor: torch.Tensor) -> None:
