@@ -5,7 +5,9 @@ the default checkpoint I/O."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import warnings
 from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -13,6 +15,12 @@ from typing_extensions import override
 
 from lightning_syncasync.algorithms._comm import check_same_on_every_rank
 from lightning_syncasync.plugins.checkpoint_io import AtomicCheckpointIO, check_lightning_checkpoint
+
+# Upstream warnings every rank prints once per run, the same line each time (filtered on ranks other than 0):
+# torch 2.13 deprecates `LeafSpec`, which Lightning 2.6's `utilities/_pytree.py` still builds on every batch transfer.
+PER_RANK_REPEATS: list[tuple[str, type[Warning]]] = [
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+]
 
 
 class WatchedStrategy:
@@ -40,11 +48,13 @@ class WatchedStrategy:
 
     def consistent_settings(self) -> dict[str, Any]:
         """The constructor settings that must agree across ranks: every plain-valued constructor argument kept as
-        an attribute of the same name."""
+        an attribute of the same name, and the fields of its options object (``options``)."""
         out = {}
         for name in inspect.signature(type(self).__init__).parameters:
             value = getattr(self, name, None) if name not in ("self", "kwargs") else None
-            if isinstance(value, (bool, int, float, str, tuple, list, dict)):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                out.update({f"options.{k}": v for k, v in dataclasses.asdict(value).items()})
+            elif isinstance(value, (bool, int, float, str, tuple, list, dict)):
                 out[name] = value
         return out
 
@@ -56,6 +66,10 @@ class WatchedStrategy:
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
+        if self.global_rank != 0:  # type: ignore[attr-defined]
+            # Rank 0 shows each upstream warning; every other rank printed the same lines again.
+            for message, category in PER_RANK_REPEATS:
+                warnings.filterwarnings("ignore", message=message, category=category)
         module = self.lightning_module  # type: ignore[attr-defined]
         # At one rank there is no peer to lose, and a callback that does nothing still costs Lightning's dispatch of
         # every hook at every step.

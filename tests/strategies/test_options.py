@@ -147,3 +147,11 @@ def test_options_from_the_lightning_cli():
     )  # fmt: skip
     args = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]
     assert args["options"]["outer"] == "nesterov" and args["options"]["outer_lr"] == 0.7
+
+
+def test_the_options_are_checked_to_agree_across_ranks():
+    """Every rank compares its settings at setup (WatchedStrategy.consistent_settings): the options too, as the same
+    settings were when they were keywords."""
+    settings = AsyncSSPStrategy(local_steps=4, outer="nesterov").consistent_settings()
+    assert settings["local_steps"] == 4 and settings["options.outer"] == "nesterov"
+    assert settings["options.peer_timeout_s"] == 60.0
