@@ -69,43 +69,18 @@ import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import all_reduce_, broadcast_
 from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.ssp._liveness import _HEARTBEAT_S, _Liveness
+from lightning_syncasync.algorithms.ssp.totals import grads_total, loss_total
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.streams import SideStream
-from lightning_syncasync.algorithms.watchdog import PeerLostError
 
 log = logging.getLogger(__name__)
 
-_HEARTBEAT_S = 1.0
+# loss_total and grads_total were defined here: still importable from here.
+__all__ = ["ApplyFn", "SSPExchange", "SSPStats", "grads_total", "loss_total"]
 
 # Applies one server update: (gradient over the server's parameters, flat; learning rate per param group).
 ApplyFn = Callable[[torch.Tensor, list[float]], None]
-
-
-def loss_total(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as the 0-d fp32 sum whose finiteness stands for the loss's (a NaN or an infinity in any term leaves it
-    non-finite), on the loss's device: what ``SSPExchange.ship`` checks, and what a caller that zeroes a gradient
-    before it ships it must check alike."""
-    return (loss if loss.numel() == 1 else loss.sum()).detach().float().reshape(())
-
-
-def grads_total(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The gradients of ``params`` as one 0-d fp32 value, the sum of their L1 norms, whose finiteness stands for
-    theirs (as :func:`loss_total`'s), on their device; ``None`` when none has a gradient. The strategies check it in
-    place of the loss under manual optimization, where Lightning's closure returns no loss (the step's backward ran in
-    ``training_step``), and with it under gradient accumulation, where the closure's loss is the last micro-batch's
-    only. A sharded parameter's (a DTensor's) is this rank's shard's."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return None
-    local = [g.detach().to_local() if hasattr(g, "to_local") else g.detach() for g in grads]  # DTensor (not imported)
-    try:
-        # One fused launch per device and dtype instead of one per tensor (a GPU step under accumulation). Each norm
-        # is accumulated and returned in fp32: an fp16 gradient's own-dtype norm overflows at 65504, and a large but
-        # finite gradient must not read as a NaN step.
-        norms = torch._foreach_norm(local, 1, dtype=torch.float32)
-    except TypeError:  # a torch whose private _foreach_norm takes no dtype
-        norms = [g.float().abs().sum() for g in local]
-    return torch.stack(list(norms)).sum()
 
 
 @dataclass
@@ -118,7 +93,7 @@ class SSPStats:
     gradients: list[int] = field(default_factory=list)  # gradients in each server update
 
 
-class SSPExchange:
+class SSPExchange(_Liveness):
     """Background exchange of gradients with an SSP gate, server updates on every replica, consistent cuts and a
     liveness timeout.
 
@@ -570,56 +545,3 @@ class SSPExchange:
         self._acc = torch.zeros(self.numel, device=self.device)
         self._acc_lrs = torch.zeros(self.num_lrs, dtype=torch.float64, device="cpu")
         self._acc_count = 0
-
-    # -- liveness ----------------------------------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        beat = 0
-        while not self._stop and not self._hb_stop.is_set():
-            beat += 1
-            try:
-                self._store.set(f"hb{self.global_rank}", str(beat))
-            except Exception:  # noqa: BLE001 - the store's host died; the checks below name it
-                return
-            self._hb_stop.wait(_HEARTBEAT_S)
-
-    def _silent_ranks(self) -> list[int]:
-        """Ranks whose heartbeat did not advance over three heartbeat periods (rank 0 hosts the store)."""
-
-        def beats() -> dict[int, bytes | None]:
-            # check() first: get() on a key never set would block for the store's whole timeout.
-            return {r: self._store.get(f"hb{r}") if self._store.check([f"hb{r}"]) else None for r in self.global_ranks}
-
-        try:
-            first = beats()
-            time.sleep(3 * _HEARTBEAT_S)
-            second = beats()
-        except Exception:  # noqa: BLE001 - the store is hosted by rank 0's process
-            return [self.global_ranks[0]]
-        return [r for r in self.global_ranks if r != self.global_rank and first[r] == second[r]]
-
-    def _suspects(self) -> str:
-        """The ranks to blame, with their last known clocks: those whose heartbeat stopped (dead or frozen), else
-        the slowest (its process is alive but stuck in its own code)."""
-        clocks = {self.global_ranks[i]: c for i, c in enumerate(self.known_clocks)}
-        silent = self._silent_ranks()
-        if silent:
-            return ", ".join(f"rank {r} (last clock {clocks.get(r)}, heartbeat stopped)" for r in silent)
-        others = [r for r in clocks if r != self.global_rank]
-        if not others:
-            return "none"
-        slowest = min(others, key=lambda r: clocks[r])
-        return f"rank {slowest} (last clock {clocks[slowest]}, the slowest; heartbeat alive, so stuck, not dead)"
-
-    def _lost(self, what: str) -> None:
-        raise PeerLostError(
-            f"rank {self.global_rank}: {what} longer than timeout_s={self.timeout_s:g}; lost peer: "
-            f"{self._suspects()}. HINT: check that rank's log; resume from the last checkpoint"
-        )
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise PeerLostError(
-                f"rank {self.global_rank}: an exchange round failed ({err}); lost peer: {self._suspects()}"
-            ) from err

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_syncasync.algorithms.ssp.exchange import grads_total
+from lightning_syncasync.algorithms.ssp.totals import grads_total
 
 pytestmark = pytest.mark.timeout(30)
 
