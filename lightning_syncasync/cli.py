@@ -35,7 +35,7 @@ from lightning_syncasync.strategies import check_strategy_name, is_fault_toleran
 quiet_third_party_noise()
 
 DEFAULT_CONFIG = Path(__file__).with_name("cli_defaults.yaml")
-CLI_EXTRA_HINT = 'HINT: pip install "lightning-syncasync[cli]"'
+CLI_EXTRA_HINT = 'HINT: pip install -e ".[cli]"'
 
 # Lightning's CLI needs jsonargparse (the `cli` extra). Without it, importing lightning.pytorch.cli fails (or its
 # parser fails when built) with Lightning's own hint; this module must still import, so that `syncasync-cli` can say

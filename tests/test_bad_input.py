@@ -660,7 +660,7 @@ CASES: list[Case] = [
          r"HINT: add --ft", PARSING),
     # strategy hier_sync_ft / async_ssp_ft (torchft)
     Case("ft-torchft-missing", "strategy hier_sync_ft", "Trainer(strategy='hier_sync_ft') without torchft",
-         _without_torchft, ImportError, r"needs torchft", r'HINT: pip install "lightning-syncasync\[ft\]"'),
+         _without_torchft, ImportError, r"needs torchft", r'HINT: pip install -e "\.\[ft\]"'),
     Case("ft-min-replicas", "strategy hier_sync_ft", "FaultTolerantStrategy(min_replicas=3, max_replicas=2)",
          lambda: FaultTolerantStrategy(min_replicas=3, max_replicas=2), ValueError, r"min_replicas=3",
          r"HINT: min_replicas <= 2"),

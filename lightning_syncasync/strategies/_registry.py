@@ -71,7 +71,7 @@ STRATEGIES: list[StrategyEntry] = [
         "lightning_syncasync.strategies.async_ssp_sharded.ShardedAsyncSSPStrategy",
         "async_ssp's rounds for models that do not fit one device: FSDP2 shards inside each node, rounds across nodes",
     ),
-    # Nodes that leave and join (torchft; pip install "lightning-syncasync[ft]"): one job per node, joined through a
+    # Nodes that leave and join (torchft; pip install -e ".[ft]"): one job per node, joined through a
     # Lighthouse. One class; the async name sets wall-clock rounds and async_ssp's round length.
     *_with_spawn(
         "hier_sync_ft",

@@ -82,8 +82,8 @@ NUM_REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
 
 
 class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBeforeUserHooks, DDPStrategy):
-    """Round-level averaging across nodes that may leave and join, on torchft (``pip install
-    "lightning-syncasync[ft]"``). Launch one job per node (``docs/fault_tolerance.md``); inside a node it is DDP.
+    """Round-level averaging across nodes that may leave and join, on torchft (``pip install -e
+    ".[ft]"`` in a clone). Launch one job per node (``docs/fault_tolerance.md``); inside a node it is DDP.
 
     Args:
         local_steps: steps per round (``dynamic_local_steps``: at the nodes' mean speed). Default 4 (hier_sync's

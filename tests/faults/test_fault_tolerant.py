@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchft", reason='torchft is an optional extra: pip install "lightning-syncasync[ft]"')
+pytest.importorskip("torchft", reason='torchft is an optional extra: pip install -e ".[ft]"')
 
 pytestmark = pytest.mark.faults
 

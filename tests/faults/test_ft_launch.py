@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchft", reason='torchft is an optional extra: pip install "lightning-syncasync[ft]"')
+pytest.importorskip("torchft", reason='torchft is an optional extra: pip install -e ".[ft]"')
 
 from lightning_syncasync.emulate.replica_groups import ReplicaGroupCluster, first_step_clock, node_command  # noqa: E402
 

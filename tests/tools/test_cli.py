@@ -191,7 +191,7 @@ def test_without_the_cli_extra_it_names_the_extra_and_prints_no_traceback(tmp_pa
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1
     assert "syncasync-cli: error: syncasync-cli needs Lightning's CLI parser" in proc.stderr
-    assert 'HINT: pip install "lightning-syncasync[cli]"' in proc.stderr
+    assert 'HINT: pip install -e ".[cli]"' in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -2,7 +2,7 @@
 process group and checkpoint transport advertised at this node's address (:func:`advertised_host`), and the part of
 the manager that :class:`~lightning_syncasync.algorithms.averaging.elastic.ElasticRounds` uses (``QuorumManager``).
 
-torchft is optional (``pip install "lightning-syncasync[ft]"``): it is imported only when a manager is made."""
+torchft is optional (``pip install -e ".[ft]"``): it is imported only when a manager is made."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lightning_syncasync.algorithms.averaging.ft_host import advertised_host
 
 __all__ = ["FT_HINT", "LIGHTHOUSE_ENV", "QuorumManager", "make_manager", "require_torchft"]
 
-FT_HINT = 'HINT: pip install "lightning-syncasync[ft]"'
+FT_HINT = 'HINT: pip install -e ".[ft]"'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
