@@ -88,22 +88,25 @@ Example::
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Bytes on the wire relative to fp32, and the collective the payload travels by (README's compression table;
-# powersgd depends on the shapes: 2.6% on the transformer LM at rank 4).
-COMPRESSION: dict[str, tuple[float, str]] = {
-    "none": (1.0, "all_reduce"),
-    "fp16": (0.5, "all_reduce"),
-    "bf16": (0.5, "all_reduce"),
-    "int8": (0.254, "two_phase"),
-    "int4": (0.129, "two_phase"),
-    "sign": (0.035, "two_phase"),
-    "powersgd": (0.03, "all_reduce"),
-}
+from lightning_syncasync.algorithms._costmodel_fit import DEFAULT_PARAMS, _Calibration
+from lightning_syncasync.algorithms._costmodel_links import COMPRESSION, _Collectives
+from lightning_syncasync.algorithms._costmodel_ranks import _expected_max, _mean, _RankTimes
+
+# COMPRESSION and DEFAULT_PARAMS were defined here: still importable from here.
+__all__ = [
+    "COLLECTIVES",
+    "COMPRESSION",
+    "DEFAULT_PARAMS",
+    "EMULATED_ALPHA_S",
+    "STRATEGIES",
+    "Prediction",
+    "ScalingModel",
+]
+
 # Chunked codes may travel by the older all-gather layout instead (``Compressor(collective="allgather")``).
 COLLECTIVES = ("two_phase", "allgather")
 # Base strategies and the named variants the advisor and the benchmarks use.
@@ -134,24 +137,6 @@ _SETTINGS: dict[str, frozenset[str]] = {
 }
 # auto_sync's own names for the modes it switches between (conf/strategy/auto_sync.yaml: `mode`).
 _AUTO_MODES = {"ddp": "sync", "ddp_adaptive_batch": "sync", "hier_sync": "hier", "async_ssp": "async"}
-# DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): one collective per bucket.
-# (Compressed DDP uses 2 MB buckets; their collectives overlap with backward, which `overlap` stands for.)
-_BUCKET_BYTES = 25 * 2**20
-# Free parameters fitted by calibrate(), their defaults (no overhead, nothing hidden) and the grids searched.
-DEFAULT_PARAMS: dict[str, float] = {
-    "overlap": 0.0,
-    "collective_overhead_s": 0.0,
-    "comm_cpu_s_per_byte": 0.0,
-    "codec_s_per_byte": 0.0,
-    "unlimited_bytes_per_s": 1e9,
-}
-_GRIDS: dict[str, list[float]] = {
-    "overlap": [i / 10 for i in range(10)],
-    "collective_overhead_s": [0.0, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1],
-    "comm_cpu_s_per_byte": [0.0, 1e-10, 3e-10, 1e-9, 3e-9, 1e-8, 3e-8, 1e-7],
-    "codec_s_per_byte": [0.0, 1e-10, 3e-10, 1e-9, 3e-9, 1e-8, 3e-8, 1e-7],
-    "unlimited_bytes_per_s": [10 ** (7 + i / 4) for i in range(13)],  # 10 MB/s .. 10 GB/s
-}
 # Link latency assumed for emulated links (veth and loopback without netem): not measurable from bench records.
 EMULATED_ALPHA_S = 50e-6
 _MAX_WINDOW = 4096  # staleness windows beyond this are treated as fully absorbing (ASP-like) pacing
@@ -178,44 +163,7 @@ class Prediction:
         return asdict(self)
 
 
-# A discrete distribution of one rank's step time: [(value_s, probability)].
-_Dist = list[tuple[float, float]]
-
-
-def _expected_max(groups: Iterable[tuple[int, _Dist]]) -> float:
-    """E[max] over independent ranks, ``groups`` = [(how many ranks, their step-time distribution)].
-
-    Exact for discrete distributions: E[max] = sum_i v_i (F(v_i) - F(v_{i-1})), F(x) = prod_g P_g(X <= x)^count_g.
-    """
-    groups = [(c, d) for c, d in groups if c > 0]
-    values = sorted({v for _, d in groups for v, _ in d})
-    out, previous = 0.0, 0.0
-    for v in values:
-        cdf = 1.0
-        for count, dist in groups:
-            cdf *= sum(p for x, p in dist if x <= v) ** count
-        out += v * (cdf - previous)
-        previous = cdf
-    return out
-
-
-def _mean(dist: _Dist) -> float:
-    return sum(v * p for v, p in dist)
-
-
-def _binomial(k: int, p: float) -> list[float]:
-    if p <= 0:
-        return [1.0] + [0.0] * k
-    if p >= 1:
-        return [0.0] * k + [1.0]
-    lp, lq = math.log(p), math.log1p(-p)
-    return [
-        math.exp(math.lgamma(k + 1) - math.lgamma(i + 1) - math.lgamma(k - i + 1) + i * lp + (k - i) * lq)
-        for i in range(k + 1)
-    ]
-
-
-class ScalingModel:
+class ScalingModel(_RankTimes, _Collectives, _Calibration):
     """Predicts step time, samples/s and efficiency of each strategy at any node count (see the module docstring).
 
     Args:
@@ -327,120 +275,7 @@ class ScalingModel:
         self.comm_cpu_s_per_byte = float(comm_cpu_s_per_byte)
         self.codec_s_per_byte = float(codec_s_per_byte)
 
-    # ----------------------------------------------------------------------------------------- who computes what
-    def _rank_groups(self, ranks: int) -> list[tuple[int, float]]:
-        """[(how many ranks, compute s/sample)] of a world of ``ranks``."""
-        if len(self.compute) > 1:
-            w = len(self.compute)
-            full, rem = divmod(ranks, w)
-            return [(full + (1 if i < rem else 0), c) for i, c in enumerate(self.compute)]
-        c = self.compute[0]
-        slow = max(1, round(self.straggler_fraction * ranks)) if self.straggler_fraction > 0 else 0
-        return [(ranks - slow, c), (slow, c * self.straggler_factor)]
-
-    def _node_patterns(self, nodes: int) -> list[tuple[int, list[float]]]:
-        """[(how many nodes, compute s/sample of each of their ranks)]: a node-major world, without listing it."""
-        m = self.procs_per_node
-        if len(self.compute) > 1:
-            w = len(self.compute)
-            period = w // math.gcd(w, m)  # the rank pattern of node j repeats with this period in j
-            full, rem = divmod(nodes, period)
-            return [
-                (full + (1 if j < rem else 0), [self.compute[(j * m + i) % w] for i in range(m)])
-                for j in range(min(period, nodes))
-            ]
-        groups = self._rank_groups(nodes * m)
-        (fast_n, c), (slow_n, cs) = groups
-        full_fast, mixed_fast = divmod(fast_n, m)
-        out = [(full_fast, [c] * m)]
-        if mixed_fast:
-            out.append((1, [c] * mixed_fast + [cs] * (m - mixed_fast)))
-        out.append((nodes - full_fast - (1 if mixed_fast else 0), [cs] * m))
-        return [(k, p) for k, p in out if k > 0]
-
-    def _step_dist(self, step_s: float) -> _Dist:
-        p, f = self.jitter_p, self.jitter_factor
-        if p <= 0 or f <= 0:
-            return [(step_s, 1.0)]
-        return [(step_s, 1.0 - p), (step_s * (1.0 + f), p)]
-
-    def _window_dist(self, step_s: float, window: int) -> _Dist:
-        """Mean step time over ``window`` consecutive steps (pauses drawn independently)."""
-        p, f = self.jitter_p, self.jitter_factor
-        if p <= 0 or f <= 0:
-            return [(step_s, 1.0)]
-        return [(step_s * (1.0 + f * k / window), q) for k, q in enumerate(_binomial(window, p)) if q > 0]
-
-    def _mean_factor(self) -> float:
-        return 1.0 + self.jitter_p * self.jitter_factor
-
-    def ideal_samples_per_s(self, nodes: int) -> float:
-        """The no-communication limit: every rank at its own mean rate (pauses included)."""
-        ranks = self._ranks(nodes)
-        return sum(k / (c * self._mean_factor()) for k, c in self._rank_groups(ranks))
-
-    # ---------------------------------------------------------------------------------------------- collectives
-    def _link(self, nodes: int) -> tuple[float, float]:
-        """The slowest link of a flat ring: inter-node when the world spans nodes."""
-        if nodes > 1:
-            return (max(self.intra_link[0], self.inter_link[0]), min(self.intra_link[1], self.inter_link[1]))
-        return self.intra_link
-
-    @staticmethod
-    def ring_all_reduce_s(k: int, nbytes: float, link: tuple[float, float]) -> float:
-        """2 (k-1)/k * bytes / beta + 2 (k-1) alpha; 0 for a group of one."""
-        if k <= 1:
-            return 0.0
-        alpha, beta = link
-        return 2 * (k - 1) / k * nbytes / beta + 2 * (k - 1) * alpha
-
-    @staticmethod
-    def ring_all_gather_s(k: int, payload_bytes: float, link: tuple[float, float]) -> float:
-        """(k-1) * payload / beta + (k-1) alpha: every rank receives the other k-1 payloads."""
-        if k <= 1:
-            return 0.0
-        alpha, beta = link
-        return (k - 1) * payload_bytes / beta + (k - 1) * alpha
-
-    @staticmethod
-    def _kind(compression: str, k: int) -> str:
-        """How the payload travels over ``k`` ranks: ``all_reduce``, ``two_phase`` or ``all_gather``
-        (``int8@allgather``: the chunked code in the all-gather layout; predict() names it so from the ``collective``
-        setting). As ``Compressor``'s ``collective="auto"``, two ranks all-gather (the same bytes, one encoding)."""
-        method, _, layout = compression.partition("@")
-        kind = COMPRESSION[method][1]
-        return "all_gather" if kind == "two_phase" and (layout == "allgather" or k <= 2) else kind
-
-    def _collective(self, k: int, nbytes: float, link: tuple[float, float], compression: str, ratio: float) -> float:
-        kind = self._kind(compression, k)
-        if kind == "all_gather":
-            return self.ring_all_gather_s(k, ratio * nbytes, link)
-        # Two-phase: an all-to-all of shards ((k-1)/k of the payload) then an all-gather of the averaged shards
-        # (k-1 shards of 1/k), with k-1 latencies each: exactly a ring all-reduce of the payload.
-        return self.ring_all_reduce_s(k, ratio * nbytes, link)
-
-    def _sent(self, k: int, payload: float, compression: str) -> float:
-        """Bytes a rank sends for one exchange of a ``payload``-byte compressed tensor (the CPU cost's basis)."""
-        kind = self._kind(compression, k)
-        if kind == "two_phase":
-            return 2 * (k - 1) / k * payload
-        return (2 if kind == "all_reduce" else 1) * payload * (k - 1)
-
-    def _codec_s(self, k: int, nbytes: float, compression: str) -> float:
-        if compression == "none" or k <= 1:
-            return 0.0
-        # Bytes encoded or decoded besides the first encode: all-gather decodes k-1 payloads; two-phase decodes k
-        # shards of 1/k, re-encodes one and decodes k again (about 2); an all-reduce decodes one.
-        decoded = {"all_gather": k - 1, "two_phase": 2}.get(self._kind(compression, k), 1)
-        return self.codec_s_per_byte * nbytes * (1 + decoded)
-
-    def _collectives_per_step(self, nbytes: float) -> int:
-        return max(1, math.ceil(nbytes / _BUCKET_BYTES))
-
     # -------------------------------------------------------------------------------------------- strategies
-    def _ranks(self, nodes: int) -> int:
-        return nodes * self.procs_per_node
-
     def predict(self, strategy: str, nodes: int, **settings: Any) -> Prediction:
         """Predicted operating point of ``strategy`` on ``nodes`` nodes of ``procs_per_node`` ranks.
 
@@ -693,71 +528,3 @@ class ScalingModel:
             jitter_p=jp, jitter_factor=jf, overlap=p["overlap"], collective_overhead_s=p["collective_overhead_s"],
             comm_cpu_s_per_byte=p["comm_cpu_s_per_byte"], codec_s_per_byte=p["codec_s_per_byte"],
         )  # fmt: skip
-
-    @classmethod
-    def _predict_record(cls, record: Mapping[str, Any], params: Mapping[str, float]) -> float:
-        model = cls.from_record(record, params)
-        return model.predict(record["model_strategy"], int(record["nodes"]), **record.get("settings", {})).samples_per_s
-
-    @classmethod
-    def _loss(cls, records: Sequence[Mapping[str, Any]], params: Mapping[str, float]) -> float:
-        errs = [math.log(cls._predict_record(r, params) / float(r["samples_per_s"])) ** 2 for r in records]
-        return sum(errs) / len(errs)
-
-    @classmethod
-    def calibrate(cls, records: Sequence[Mapping[str, Any]], rounds: int = 3) -> dict[str, float]:
-        """Fit the free parameters (``DEFAULT_PARAMS``) to benchmark records: coordinate descent on log grids,
-        minimising the mean squared log error of the predicted samples/s.
-
-        Each record is a dict with ``scenario``, ``strategy`` (its label), ``model_strategy`` and ``settings`` (what
-        :meth:`predict` takes), ``samples_per_s`` (measured), ``ideal_per_rank_samples_per_s`` (each rank alone,
-        same stragglers), ``batch_size``, ``grad_bytes``, ``nodes``, ``procs_per_node``, ``link_mbit`` (``None`` =
-        no limit: its bandwidth is ``unlimited_bytes_per_s``, fitted) and ``jitter`` (``[p, f]`` or ``None``).
-        ``syncasync-advise --calibrate`` builds them from ``syncasync-bench`` results.
-        """
-        records = list(records)
-        if not records:
-            raise ValueError("calibrate() got no records; HINT: pass syncasync-bench results of supported strategies")
-        best = dict(DEFAULT_PARAMS)
-        best_loss = cls._loss(records, best)
-        for _ in range(rounds):
-            improved = False
-            for name, grid in _GRIDS.items():
-                for value in grid:
-                    trial = {**best, name: value}
-                    loss = cls._loss(records, trial)
-                    if loss < best_loss - 1e-12:
-                        best, best_loss, improved = trial, loss, True
-            if not improved:
-                break
-        return best
-
-    @classmethod
-    def prediction_error(
-        cls, records: Sequence[Mapping[str, Any]], params: Mapping[str, float] | None = None
-    ) -> list[dict[str, Any]]:
-        """Per (scenario, strategy, workload): median measured and predicted samples/s over repeats, and the
-        relative error ``(predicted - measured) / measured``. The workload (gradient size, batch) is part of the key:
-        records of one scenario name measured on different workloads are not repeats."""
-        p = {**DEFAULT_PARAMS, **(params or {})}
-        by_key: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
-        for r in records:
-            workload = f"{float(r['grad_bytes']) / 1e6:.2f} MB, batch {int(r['batch_size'])}"
-            key = (str(r["scenario"]), str(r["strategy"]), workload)
-            by_key.setdefault(key, []).append((float(r["samples_per_s"]), cls._predict_record(r, p)))
-        out = []
-        for (scenario, strategy, workload), pairs in by_key.items():
-            measured = statistics.median(m for m, _ in pairs)
-            predicted = statistics.median(q for _, q in pairs)
-            out.append(
-                {
-                    "scenario": scenario,
-                    "strategy": strategy,
-                    "workload": workload,
-                    "runs": len(pairs),
-                    "measured_samples_per_s": measured,
-                    "predicted_samples_per_s": predicted,
-                    "rel_error": (predicted - measured) / measured,
-                }
-            )
-        return out

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from lightning_syncasync.algorithms.costmodel import DEFAULT_PARAMS, ScalingModel, _expected_max
+from lightning_syncasync.algorithms._costmodel_ranks import _expected_max
+from lightning_syncasync.algorithms.costmodel import DEFAULT_PARAMS, ScalingModel
 
 FAST = (0.0, 1e12)
 
