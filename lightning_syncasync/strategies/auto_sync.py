@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -56,14 +55,13 @@ from lightning_syncasync.algorithms.averaging.rounds import RoundExchange, check
 from lightning_syncasync.algorithms.comm_hooks import MeasuredAllReduce
 from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
-from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange, grads_total, loss_total
+from lightning_syncasync.algorithms.ssp.exchange import ApplyFn, SSPExchange
 from lightning_syncasync.algorithms.stats import Scope, StatsRecorder
 from lightning_syncasync.algorithms.switch_policy import MODES, ModeUnavailableError
 from lightning_syncasync.algorithms.topology import Topology
 from lightning_syncasync.strategies._async_cuts import LocalReduceWhileAsync
 from lightning_syncasync.strategies._async_step import (
     check_async_fit,
-    checked_value,
     learning_rates,
     report_nonfinite,
     server_update,
@@ -71,6 +69,7 @@ from lightning_syncasync.strategies._async_step import (
     what_is_checked,
 )
 from lightning_syncasync.strategies._checks import check_async, check_common, check_node_size
+from lightning_syncasync.strategies._held_back import HoldsBackNonFinite
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._one_rank import UnwrappedAtOneRank
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state, unwrap_optimizer
@@ -88,6 +87,7 @@ _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 class AutoSyncStrategy(
+    HoldsBackNonFinite,
     WatchedStrategy,
     LocalReduceWhileAsync,
     ValidatesNodeMean,
@@ -456,98 +456,10 @@ class AutoSyncStrategy(
         return out
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().training_step(*args, **kwargs)
-        if self._zeroes_on_device():
-            loss = out.get("loss") if isinstance(out, Mapping) else out
-            if isinstance(loss, torch.Tensor):
-                # Before backward: DDP's hook (_mode_hook) zeroes the gradients of a step whose loss is not finite.
-                ok = torch.isfinite(loss_total(loss))
-                self._step_ok = ok if self._step_ok is None else self._step_ok & ok  # every micro-batch
-        return out
-
-    def _zeroes_on_device(self) -> bool:
-        """Async rounds on an accelerator, under DDP: a non-finite step is found and zeroed on the device, without
-        the host sync per step that reading the loss back would be (``_finite_or_held_back``)."""
-        module = self.lightning_module
-        return (
-            self.mode == "async"
-            and self.rounds is not None
-            and self.root_device.type != "cpu"
-            and isinstance(self.model, DistributedDataParallel)
-            # Manual optimization steps inside training_step, before the flag could exist: checked on the host.
-            and module is not None
-            and module.automatic_optimization
-        )
-
-    @property
-    def diverged(self) -> float | None:
-        """A non-finite loss held back in async mode since the switcher last cleared this (it reads it once per
-        window); on an accelerator in async rounds this reads the device's count (a host sync, once per window)."""
-        if self._zeroed_steps is not None:
-            zeroed, self._zeroed_steps = int(self._zeroed_steps), None
-            if zeroed:
-                self._held_back(math.nan, zeroed)
-        return self._diverged
-
-    @diverged.setter
-    def diverged(self, value: float | None) -> None:
-        self._diverged = value
-        if value is None:
-            self._zeroed_steps = None
-
-    def _finite_or_held_back(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """Async rounds: a non-finite loss drops this step's gradients (the optimizer then skips every parameter),
-        so the NaN never reaches the replica or a round, and the switcher reads ``diverged``.
-
-        On an accelerator reading the loss back at every step would be a host sync per step. There the check stays
-        on the device: under DDP with automatic optimization ``training_step`` checks the loss and DDP's hook zeroes
-        the step's gradients when it is not finite; otherwise (manual optimization, no DDP) the closure zeroes them
-        itself. The optimizer then takes a step on zero gradients (with momentum or Adam the moments' decay moves the
-        weights a little, with no NaN), and ``diverged`` reads the count once per switcher window, whose rollback
-        restores the last good state."""
-
-        def wrapped() -> Any:
-            loss = closure()
-            if self._zeroes_on_device():
-                return loss
-            # Manual optimization and gradient accumulation check the gradients too (what_is_checked):
-            # _zeroes_on_device, which checks each micro-batch's loss before DDP's hook, needs automatic optimization.
-            what = what_is_checked(self.lightning_module)
-            value = checked_value(loss, lambda: grads_total(self._params), what)
-            if value is None:
-                return loss
-            if value.device.type != "cpu":
-                # On an accelerator, zeroed here on the device, as DDP's hook does for _zeroes_on_device: no host sync
-                # per step (the optimizer then steps on zero gradients); optimizer_step counts the step for diverged.
-                ok = torch.isfinite(value)
-                for p in self._params:
-                    if p.grad is not None:
-                        p.grad.masked_fill_(~ok, 0.0)
-                self._step_ok = ok if self._step_ok is None else self._step_ok & ok
-            elif not math.isfinite(total := value.item()):
-                self._held_back(total)
-                for p in self._params:
-                    p.grad = None
-            return loss
-
-        return wrapped
-
     def _cut_exchange(self, stop: bool = False) -> None:
         assert self.exchange is not None and self._apply is not None
         self.exchange.cut(self._apply, stop=stop)
         report_nonfinite(self.exchange, self.global_rank, self._held_back)  # found by its thread (an accelerator's)
-
-    @override
-    def _on_nonfinite(self) -> Callable[[float], None] | None:
-        return self._held_back
-
-    def _held_back(self, loss: float, steps: int = 1) -> None:
-        self._diverged = loss
-        log.warning(
-            "auto_sync: rank %d: non-finite loss %s in async mode (%d step(s)); update held back",
-            self.global_rank, loss, steps,
-        )  # fmt: skip
 
     # -- consistent cuts -----------------------------------------------------------------------------------------
 
