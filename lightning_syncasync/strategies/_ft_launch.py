@@ -22,8 +22,6 @@ from lightning_syncasync.algorithms.averaging.elastic import (
 from lightning_syncasync.algorithms.averaging.rounds import NonFiniteRoundError
 from lightning_syncasync.strategies._async_step import DivergenceError
 
-log = logging.getLogger(__name__)
-
 # torchft's own examples name a node's group and the number of groups with these variables (train_ddp.py).
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
