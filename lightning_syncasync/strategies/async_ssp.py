@@ -136,7 +136,7 @@ class AsyncSSPStrategy(
         warmup_steps: rounds only: synchronous steps first (every rank's gradients averaged, as DDP), as in
             post-local SGD (Lin et al., 2020). ``None``: 20 steps (a tenth of a run of fewer than 200), none at one
             rank. Default 0: pooled over four straggler scenarios a warm-up did not reach the target sooner
-            (docs/strategies.md#expert-settings).
+            (docs/strategies.md, async_ssp's settings).
         compression: of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``, ``int8``,
             ``int4``, ``sign``, ``powersgd``, with error feedback.
         options: the expert settings (:class:`~lightning_syncasync.strategies.options.AsyncSSPOptions`: the outer

@@ -76,7 +76,7 @@ class HierSyncStrategy(
         warmup_steps: steps of flat DDP (gradients all-reduced over every rank) before hierarchical averaging starts,
             as in post-local SGD (Lin et al., 2020): the first steps decide where training goes and are the ones
             local progress hurts most. Default 0: on the full slow_link benchmark 3 and 6 warm-up steps did not
-            reliably reach the target sooner (docs/strategies.md#expert-settings).
+            reliably reach the target sooner (docs/strategies.md, hier_sync's settings).
         options: the expert settings (:class:`~lightning_syncasync.strategies.options.HierSyncOptions`: the outer
             optimizer, compressor arguments, the peer timeout), an instance or a dict; each also works as a keyword.
         **kwargs: everything ``DDPStrategy`` takes (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
