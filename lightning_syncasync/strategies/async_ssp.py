@@ -135,8 +135,8 @@ class AsyncSSPStrategy(
             user's), else ``"even"``; never at one rank. The summary's header says which was chosen and why.
         warmup_steps: rounds only: synchronous steps first (every rank's gradients averaged, as DDP), as in
             post-local SGD (Lin et al., 2020). ``None``: 20 steps (a tenth of a run of fewer than 200), none at one
-            rank. Default 0: pooled over four straggler scenarios a warm-up did not reach the target sooner
-            (docs/strategies.md, async_ssp's settings).
+            rank. Default 0: 20 warm-up steps with these rounds learned no more per sample on
+            ``mid_run_straggler_long`` (1.18x DDP's samples; docs/strategies.md, async_ssp's settings).
         compression: of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``, ``int8``,
             ``int4``, ``sign``, ``powersgd``, with error feedback.
         options: the expert settings (:class:`~lightning_syncasync.strategies.options.AsyncSSPOptions`: the outer
