@@ -7,7 +7,11 @@ rewrites (and nothing else)::
     <!-- bench:table straggler_long.json -->            every scenario table of that results file
     <!-- bench:end -->
     <!-- bench:headline -->                            the best contender per scenario, over every results file
+    <!-- bench:end -->                                   (:mod:`~lightning_syncasync.bench.headline`)
+    <!-- bench:headline straggler_long -->             that scenario's row (comma-separated: those scenarios')
     <!-- bench:end -->
+    <!-- bench:headline compact -->                    five columns for a README, each scenario linked to its
+    <!-- bench:end -->                                   section of the benchmarks.md beside the results folder
     <!-- bench:rows slow_link_compression.json -->      a file of flat rows (a study's own records), as a table
     <!-- bench:end -->
     <!-- bench:advice advice.json -->                  the advisor's picks (syncasync-bench --advise) scored
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -38,17 +43,25 @@ from pathlib import Path
 from typing import Any
 
 from lightning_syncasync.bench._elastic_report import elastic_answers, elastic_table
-from lightning_syncasync.bench.evidence import REFERENCES, Ranking, bootstrap_ratio
+from lightning_syncasync.bench.evidence import Ranking, bootstrap_ratio
+from lightning_syncasync.bench.headline import (
+    BENCHMARKS_PAGE,
+    HEADLINE_FIGURE,
+    compact_block,
+    headline_block,
+    headline_sources,
+    write_headline_figure,
+)
 from lightning_syncasync.bench.phases import changing, phase_table
 from lightning_syncasync.bench.pooled import PooledLearning
 from lightning_syncasync.bench.scenarios import lookup
 from lightning_syncasync.bench.tables import learning_table, ranking_lines, scenario_table, side_by_side, summarise
 
 _BLOCK = re.compile(
-    r"(<!-- bench:(headline|(?:table|rows|script|advice|pooled|against|sweep) [^>]+?) -->\n)(.*?)(<!-- bench:end -->)",
+    r"(<!-- bench:(headline(?: [^>]+?)?|(?:table|rows|script|advice|pooled|against|sweep) [^>]+?) -->\n)(.*?)"
+    r"(<!-- bench:end -->)",
     re.S,
 )
-HEADLINE_FIGURE = "headline.png"
 
 
 def load_results(folder: Path) -> dict[str, list[dict[str, Any]]]:
@@ -91,140 +104,12 @@ def table_block(name: str, records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# DDP against itself, its batches in another order (``data_order=1``): the noise floor of a learning-per-sample ratio,
-# not a contender.
-NOISE_FLOOR = ("ddp_other_order",)
-
-
-def _headline_sources(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
-    """``[(scenario, file, its records of that scenario)]``: each scenario's contenders from the latest file holding
-    its reference's (``ddp``'s, or ``fsdp``'s where it shards) rows, so that every ratio is of runs side by side in
-    one invocation (a contender re-run alone into a later file does not rank against them). ``--quick`` records
-    (a few steps, an easier target) check throughput and rank nothing."""
-    results = {name: [r for r in records if not r.get("quick")] for name, records in results.items()}
-    ref_file: dict[str, str] = {}
-    for name, records in results.items():
-        refs = {r["scenario"] for r in records if r["strategy"] in REFERENCES}
-        # A file of the reference against itself only (the noise floor) ranks nothing a headline may name.
-        contenders = {r["scenario"] for r in records if r["strategy"] not in (*REFERENCES, *NOISE_FLOOR)}
-        for rec in records:
-            if rec["scenario"] in refs and rec["scenario"] in contenders:
-                ref_file[rec["scenario"]] = name
-    order = list(dict.fromkeys(r["scenario"] for records in results.values() for r in records))
-    return [
-        (scenario, ref_file[scenario], [r for r in results[ref_file[scenario]] if r["scenario"] == scenario])
-        for scenario in sorted(ref_file, key=order.index)
-    ]
-
-
-def headline_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per scenario with a reference (``ddp``, or ``fsdp`` where it shards): the contender with the soonest median
-    time to the target that the reference's runs alone choose, its time against the reference's with a bootstrap
-    interval over seeds, and the verdict (a winner only where the interval of the runner-up's time over its own
-    excludes 1; :mod:`~lightning_syncasync.bench.evidence`), with its fraction of the no-communication limit and
-    its final metric against the reference's. Node-fault scenarios, whose records have no validation curve, keep
-    the soonest median over the repeats that reached the scenario's own target (``ranking`` None)."""
-    rows = []
-    for scenario, name, records in _headline_sources(results):
-        by_strategy = summarise(records)[scenario]
-        found = lookup(scenario)
-        if found is not None and found.elastic:
-            row = _elastic_headline_row(by_strategy)
-        else:
-            ranking = Ranking.of(scenario, side_by_side(records))
-            first = ranking.first
-            if first is None:  # nothing to rank (no reference, or no level every reference seed reaches): say why
-                if ranking.reference not in by_strategy:
-                    continue
-                row = {"best": ranking.reference, "ranking": ranking, "reached": 0, "repeats": 0,
-                       "reference": ranking.reference, "speedup": None}  # fmt: skip
-            else:
-                speedup = None if first.vs_ddp is None else first.vs_ddp.value
-                row = {"best": first.strategy, "ranking": ranking, "reached": first.reached, "repeats": first.seeds,
-                       "reference": ranking.reference, "speedup": speedup}  # fmt: skip
-        if row is None:
-            continue
-        best, ref = by_strategy[row["best"]], by_strategy[row["reference"]]
-        gap = None
-        if best["final_val_metric"] is not None and ref["final_val_metric"] is not None:
-            gap = best["final_val_metric"] - ref["final_val_metric"]
-        row.update(
-            scenario=scenario,
-            efficiency=best["efficiency"],
-            ddp_efficiency=ref["efficiency"],
-            gap_points=None if gap is None else 100 * gap,
-            metric=best["runs"][0].get("val_metric_name", "val metric"),
-            file=name,
-        )
-        rows.append(row)
-    return rows
-
-
-def _elastic_headline_row(by_strategy: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """A node-fault scenario: the soonest median to the scenario's target among contenders that reached it in most
-    repeats (their records carry the time to target, not the curve)."""
-    ddp = by_strategy.get("ddp")
-    if ddp is None or ddp["time_to_target_s"] is None:
-        return None
-    reached = {
-        k: s for k, s in by_strategy.items() if s["time_to_target_s"] is not None and 2 * s["reached"] > len(s["runs"])
-    }
-    best_name = min(reached, key=lambda k: reached[k]["time_to_target_s"]) if reached else "ddp"
-    best = by_strategy[best_name]
-    return {"best": best_name, "ranking": None, "reached": best["reached"], "repeats": len(best["runs"]),
-            "reference": "ddp", "speedup": ddp["time_to_target_s"] / best["time_to_target_s"]}  # fmt: skip
-
-
-def headline_block(results: dict[str, list[dict[str, Any]]]) -> str:
-    rows = headline_rows(results)
-    lines = [
-        "| scenario | target (from the reference's runs) | soonest (median) | time to target: reference's over its "
-        "(90% CI) | verdict | fraction of the no-communication limit (reference) | final metric vs reference "
-        "| reached target | records |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    elastic = []
-    for r in rows:
-        eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
-        ref_eff = "n/a" if r["ddp_efficiency"] is None else f"{100 * r['ddp_efficiency']:.1f}%"
-        gap = "n/a" if r["gap_points"] is None else f"{r['gap_points']:+.1f} points {r['metric']}"
-        ranking: Ranking | None = r["ranking"]
-        if ranking is None:
-            elastic.append(
-                f"| `{r['scenario']}` | `{r['best']}` | {r['speedup']:.2f}x sooner | {eff} ({ref_eff}) | {gap} "
-                f"| {r['reached']}/{r['repeats']} | `{r['file']}` |"
-            )
-            continue
-        first = ranking.first
-        if first is None:
-            cells = " | ".join(["n/a"] * 3 + [ranking.sentence()] + ["n/a"] * 3)
-            lines.append(f"| `{r['scenario']}` | {cells} | `{r['file']}` |")
-            continue
-        ratio = "reference" if first.vs_ddp is None else str(first.vs_ddp)
-        lines.append(
-            f"| `{r['scenario']}` | {ranking.target:g} | `{r['best']}` | {ratio} (`{ranking.reference}`) "
-            f"| {ranking.sentence()} | {eff} ({ref_eff}) | {gap} | {r['reached']}/{r['repeats']} | `{r['file']}` |"
-        )
-    if elastic:
-        lines += [
-            "",
-            "Node faults (records without validation curves: medians over the repeats that reached the scenario's "
-            "own target, not ranked by an interval):",
-            "",
-            "| scenario | best strategy | time to target vs `ddp` | fraction of the no-communication limit (`ddp`) "
-            "| final metric vs `ddp` | reached target | records |",
-            "|---|---|---|---|---|---|---|",
-            *elastic,
-        ]
-    return "\n".join(lines) + "\n"
-
-
 def score_advice(advice: dict[str, Any], results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """One scenario's advisor pick against its measured ranking (issue 48): ``score`` is ``"best"`` (the measured
     first), ``"tied"`` (the interval of the pick's median time over the first's includes 1), ``"wrong"``, or why
     it cannot be scored (the pick was not measured there, the scenario is not ranked)."""
     scenario = advice["scenario"]
-    source = next((s for s in _headline_sources(results) if s[0] == scenario), None)
+    source = next((s for s in headline_sources(results) if s[0] == scenario), None)
     out: dict[str, Any] = {"scenario": scenario, "pick": advice.get("pick"), "ranking": None, "vs_first": None}
     if "error" in advice:
         return {**out, "score": f"advisor failed: {advice['error']}"}
@@ -429,15 +314,28 @@ def sweep_block(args: list[str], results: dict[str, list[dict[str, Any]]]) -> st
 
 
 def render(
-    text: str, results: dict[str, list[dict[str, Any]]], source: Path | None = None, scripts: Path | None = None
+    text: str,
+    results: dict[str, list[dict[str, Any]]],
+    source: Path | None = None,
+    scripts: Path | None = None,
+    target: Path | None = None,
 ) -> str:
     """``text`` with every marked block regenerated from ``results`` (the bench records of ``source``; ``rows`` and
-    ``script`` blocks read their files from ``source`` and run ``scripts``' study scripts)."""
+    ``script`` blocks read their files from ``source`` and run ``scripts``' study scripts; the compact headline links
+    to ``benchmarks.md`` beside ``source`` from ``target``, the file ``text`` is written to)."""
 
     def block(m: re.Match[str]) -> str:
         kind = m.group(2)
         if kind == "headline":
             body = headline_block(results)
+        elif kind == "headline compact":
+            page = None if source is None else source.parent / BENCHMARKS_PAGE
+            link = BENCHMARKS_PAGE
+            if page is not None and target is not None:
+                link = Path(os.path.relpath(page, target.parent)).as_posix()
+            body = compact_block(results, page.read_text() if page is not None and page.exists() else None, link)
+        elif kind.startswith("headline "):
+            body = headline_block(results, kind.split()[1].split(","))
         elif kind.startswith("pooled "):
             body = pooled_block(kind.split()[1:], results)
         elif kind.startswith("against "):
@@ -468,39 +366,6 @@ def render(
     return _BLOCK.sub(block, text)
 
 
-def write_headline_figure(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
-    """The headline's ratios: per scenario, the reference's time to target over the soonest contender's, with its
-    90% bootstrap interval where the scenario is ranked by one (``None`` when matplotlib is missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [r for r in headline_rows(results) if r["speedup"] is not None]
-    fig, ax = plt.subplots(figsize=(7.2, 0.8 + 0.55 * max(1, len(rows))))
-    labels, values, low, high, colors = [], [], [], [], []
-    for r in rows:
-        ranking = r["ranking"]
-        interval = ranking.first.vs_ddp if ranking is not None and ranking.first is not None else None
-        verdict = "node faults, 3 seeds" if ranking is None else ranking.verdict.split(":")[0]
-        labels.append(f"{r['scenario']}\n{r['best']} ({verdict})")
-        values.append(r["speedup"])
-        low.append(r["speedup"] - (interval.low if interval else r["speedup"]))
-        high.append((interval.high if interval else r["speedup"]) - r["speedup"])
-        colors.append("tab:blue" if ranking is not None and ranking.verdict == "winner" else "tab:gray")
-    ax.barh(labels, values, xerr=[low, high], color=colors, capsize=3)
-    ax.axvline(1.0, color="black", lw=1, ls="--")
-    ax.set_xlabel("time to target: reference / soonest (x sooner; 90% bootstrap interval)")
-    ax.tick_params(axis="y", labelsize=7)
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: regenerating is reproducible
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="syncasync-bench report", description="regenerate docs from results files")
     p.add_argument("--from", dest="source", required=True, help="folder of results files (e.g. docs/results)")
@@ -519,7 +384,7 @@ def main(argv: list[str]) -> int:
             p.error(f"--to {target} does not exist; HINT: create it with bench markers (see --help of this module)")
         text = target.read_text()
         try:
-            new = render(text, results, source, Path(args.scripts))
+            new = render(text, results, source, Path(args.scripts), target)
         except ValueError as err:
             p.error(str(err))
         if new != text:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from lightning_syncasync.bench.__main__ import main as bench_main
-from lightning_syncasync.bench.publish import headline_block, headline_rows, render
+from lightning_syncasync.bench.headline import COMPACT_CELL_CHARS, headline_block, headline_rows
+from lightning_syncasync.bench.publish import load_results, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,6 +65,67 @@ def test_headline_names_a_winner_only_where_its_interval_excludes_one():
     # A later file of ddp against itself in another order (the noise floor) does not replace the ranked one.
     floor = [_rec(s, seed, 4.0, 0.67, command="floor") for s in ("ddp", "ddp_other_order") for seed in range(5)]
     assert headline_rows({"a.json": clear, "z.json": floor})[0]["file"] == "a.json"
+
+
+def _table(text: str) -> list[list[str]]:
+    """The cells of a Markdown table's rows (header, then body; the separator row left out)."""
+    rows = [line.strip().strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row] for row in rows if not set("".join(row)) <= set("-: ")]
+
+
+def test_the_compact_headline_fits_a_readme_and_links_each_scenario_to_its_section():
+    from test_readme import _anchors
+
+    text = render("<!-- bench:headline compact -->\n<!-- bench:end -->\n", load_results(ROOT / "docs" / "results"),
+                  ROOT / "docs" / "results", ROOT / "scripts", target=ROOT / "README.md")  # fmt: skip
+    header, *rows = _table(text)
+    assert header[0] == "scenario" and len(header) <= 5 and len(rows) >= 10
+    assert all(len(row) == len(header) for row in rows)
+    long = [cell for row in rows for cell in row if len(cell) > COMPACT_CELL_CHARS]
+    assert not long, long
+    for row in rows:
+        (link,) = re.findall(r"\]\(([^)]+)\)", row[-1])
+        page, _, anchor = link.partition("#")
+        assert page == "docs/benchmarks.md" and anchor in _anchors(ROOT / page), row
+        assert re.fullmatch(r"\d+\.\dx( \(vs `\w+`\))?", row[3]), row
+    # What the cluster suffers from is the scenario section's own heading where it names that scenario alone.
+    jitter = next(row for row in rows if row[0] == "`jitter_long`")
+    assert jitter[1] == "Transient pauses" and jitter[-1].endswith("(docs/benchmarks.md#transient-pauses-jitter_long)")
+
+
+def test_a_compact_or_one_scenario_headline_is_rendered_from_the_same_rows(tmp_path):
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    records = [_rec("ddp", s, 4.0 + 0.1 * s, 0.67) for s in range(5)]
+    records += [_rec("async_ssp", s, 2.0 + 0.1 * s, 0.95) for s in range(5)]
+    records += [_rec("ddp", s, 4.0, 0.6, scenario="changing_conditions") for s in range(5)]
+    records += [
+        _rec("hier_sync", s, t, 0.8, scenario="changing_conditions") for s, t in enumerate([3, 4.5, 3.2, 4.6, 3.4])
+    ]
+    (results / "a.json").write_text(json.dumps(records))
+    (tmp_path / "docs" / "benchmarks.md").write_text(
+        "# Benchmarks\n\n## Headline\n\n## A slow rank: `straggler_long`\n\n### `straggler_long` again\n"
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:headline compact -->\n<!-- bench:end -->\n")
+    section = tmp_path / "docs" / "section.md"
+    section.write_text("<!-- bench:headline straggler_long -->\n<!-- bench:end -->\n"
+                       "<!-- bench:headline scale_out -->\n<!-- bench:end -->\n")  # fmt: skip
+    assert bench_main(["report", "--from", str(results), "--to", str(readme), "--to", str(section)]) == 0
+    header, *rows = _table(readme.read_text())
+    assert header == ["scenario", "what the cluster suffers from", "best strategy", "how much sooner than DDP",
+                      "evidence"]  # fmt: skip
+    by = {row[0]: row for row in rows}
+    assert by["`straggler_long`"] == ["`straggler_long`", "A slow rank", "`async_ssp`", "1.9x",
+                                      "[5 seeds](docs/benchmarks.md#a-slow-rank-straggler_long)"]  # fmt: skip
+    # No section names it: the scenario's description, cut at a word to fit the cell; the link to the page.
+    cc = by["`changing_conditions`"]
+    assert cc[1].endswith("…") and len(cc[1]) <= COMPACT_CELL_CHARS and cc[1].startswith("2 nodes x 2 ranks")
+    assert cc[2] == "`hier_sync`, tied with `ddp`" and cc[-1] == "[5 seeds](docs/benchmarks.md)"
+    # One scenario's rows: the full headline's columns, that scenario only; one never measured says so.
+    text = section.read_text()
+    assert "| `straggler_long` | 0.965 | `async_ssp` | 1.91x [" in text and "changing_conditions" not in text
+    assert "No verdict for `scale_out`" in text
 
 
 def test_a_rerun_in_a_later_file_replaces_the_rows_and_the_table_follows(tmp_path):
