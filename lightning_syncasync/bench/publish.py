@@ -22,6 +22,8 @@ rewrites (and nothing else)::
     <!-- bench:end -->                                   of seeds (:mod:`~lightning_syncasync.bench.pooled`)
     <!-- bench:against a.json:auto_sync,b.json:auto_sync_async -->   each named contender against the soonest
     <!-- bench:end -->                                   fixed contender of its own file (issue 48's auto_sync target)
+    <!-- bench:which ROWS -->                      the README's "Which strategy?": a situation, a strategy, one figure
+    <!-- bench:end -->                                   per row (:mod:`~lightning_syncasync.bench.which`)
     <!-- bench:sweep a.json,b.json async_ssp:async_ssp_k -->   a self-tuned contender against the fixed settings
     <!-- bench:end -->                                   of its file named PREFIX<N> (issue 64's round-length sweep)
 
@@ -56,9 +58,11 @@ from lightning_syncasync.bench.phases import changing, phase_table
 from lightning_syncasync.bench.pooled import PooledLearning
 from lightning_syncasync.bench.scenarios import lookup
 from lightning_syncasync.bench.tables import learning_table, ranking_lines, scenario_table, side_by_side, summarise
+from lightning_syncasync.bench.which import which_block
 
 _BLOCK = re.compile(
-    r"(<!-- bench:(headline(?: [^>]+?)?|(?:table|rows|script|advice|pooled|against|sweep) [^>]+?) -->\n)(.*?)"
+    r"(<!-- bench:(headline(?: [^>]+?)?|which\s[^>]+?|(?:table|rows|script|advice|pooled|against|sweep) [^>]+?)\s-->\n)"
+    r"(.*?)"
     r"(<!-- bench:end -->)",
     re.S,
 )
@@ -328,12 +332,16 @@ def render(
         kind = m.group(2)
         if kind == "headline":
             body = headline_block(results)
-        elif kind == "headline compact":
+        elif kind == "headline compact" or kind.startswith("which"):
             page = None if source is None else source.parent / BENCHMARKS_PAGE
             link = BENCHMARKS_PAGE
             if page is not None and target is not None:
                 link = Path(os.path.relpath(page, target.parent)).as_posix()
-            body = compact_block(results, page.read_text() if page is not None and page.exists() else None, link)
+            text_of_page = page.read_text() if page is not None and page.exists() else None
+            if kind.startswith("which"):
+                body = which_block(kind[len("which") :], results, text_of_page, link)
+            else:
+                body = compact_block(results, text_of_page, link)
         elif kind.startswith("headline "):
             body = headline_block(results, kind.split()[1].split(","))
         elif kind.startswith("pooled "):

@@ -276,3 +276,28 @@ def test_learning_per_sample_is_matched_seed_by_seed_against_ddp():
     assert samples_to_target(lm) == 200 * 4 * 16
     other = {**records[2], "command": "another"}
     assert learning_table(summarise([ddp0, other])["straggler_long"]) == []
+
+
+def test_which_strategy_rows_take_their_figure_from_the_files_ranking(tmp_path):
+    """The README's "Which strategy?" (issue 67): one figure per row, the contender's entry of its file's ranking (the
+    same ratio the scenario's tables show), a link to the scenario's section; a bad row is refused."""
+    results = {"s.json": [_rec(s, seed, t, 0.5) for seed in range(5)
+                          for s, t in (("ddp", 1.0), ("async_ssp", 0.5), ("hier_sync", 0.8))]}  # fmt: skip
+    page = "# B\n\n## A persistent straggler: `straggler_long`\n"
+    (tmp_path / "results").mkdir()
+    (tmp_path / "benchmarks.md").write_text(page)
+    (tmp_path / "results" / "s.json").write_text(json.dumps(results["s.json"]))
+    marker = ("<!-- bench:which\none slow rank ; `async_ssp` ; s.json:async_ssp\nslow link ; `hier_sync` ; "
+              "s.json:hier_sync\n-->\n<!-- bench:end -->\n")  # fmt: skip
+    text = render(marker, results, tmp_path / "results", ROOT / "scripts", target=tmp_path / "README.md")
+    header, *rows = _table(text)
+    assert len(header) == 4 and [r[0] for r in rows] == ["one slow rank", "slow link"]
+    assert rows[0][2] == "2.00x (5 seeds; first, by the interval)", rows[0]
+    assert rows[1][2] == "1.25x (5 seeds; behind `async_ssp`)", rows[1]
+    assert rows[0][3] == "[`straggler_long`](benchmarks.md#a-persistent-straggler-straggler_long)"
+    for bad, match in (("one slow rank ; `async_ssp`", "situation ; use ; FILE:CONTENDER"),
+                       ("x ; y ; s.json:ddp_nope", "holds it in 0 scenarios"),
+                       ("x ; y ; nope.json:ddp", "not a results file"),
+                       ("x" * 201 + " ; y ; s.json:async_ssp", "over 200 characters")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            render(f"<!-- bench:which\n{bad}\n-->\n<!-- bench:end -->\n", results, tmp_path / "results")

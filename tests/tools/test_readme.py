@@ -119,3 +119,17 @@ def test_relative_links_resolve(doc):
         elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
             broken.append(f"{target}: no heading with anchor #{anchor} in {linked.name}")
     assert not broken, broken
+
+
+def test_the_readme_is_a_front_door():
+    """Issue 67's targets: at most 150 lines, what the pack is and both Quickstart commands on the first screen (40
+    lines), and no table cell over 200 characters (intervals and file names live behind links)."""
+    lines = _text(README).splitlines()
+    assert len(lines) <= 150, len(lines)
+    first = "\n".join(lines[:40])
+    assert "strategy pack" in first
+    assert 'pip install torch==2.13.0 . && syncasync-train' in first
+    assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -m "not slow"' in first
+    cells = [c.strip() for line in lines if line.startswith("|") for c in line.strip().strip("|").split(" | ")]
+    long = [c for c in cells if len(c) > 200]
+    assert cells and not long, long
