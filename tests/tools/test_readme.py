@@ -128,7 +128,7 @@ def test_the_readme_is_a_front_door():
     assert len(lines) <= 150, len(lines)
     first = "\n".join(lines[:40])
     assert "strategy pack" in first
-    assert 'pip install torch==2.13.0 . && syncasync-train' in first
+    assert "pip install torch==2.13.0 . && syncasync-train" in first
     assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -m "not slow"' in first
     cells = [c.strip() for line in lines if line.startswith("|") for c in line.strip().strip("|").split(" | ")]
     long = [c for c in cells if len(c) > 200]
