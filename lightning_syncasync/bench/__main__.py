@@ -2,7 +2,8 @@
 
 syncasync-bench --scenario slow_link --strategies ddp --quick --out bench_out
 syncasync-bench --scenario straggler --strategies baselines --repeats 3 --out bench_out
-syncasync-bench report --from docs/results --to docs/benchmarks.md --to docs/benchmarks_archive.md  # the docs
+syncasync-bench report --from docs/results --to docs/benchmarks.md --to docs/benchmarks_archive.md \\
+    --to docs/strategies.md --to README.md  # the docs
 """
 
 from __future__ import annotations

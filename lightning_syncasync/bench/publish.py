@@ -1,5 +1,5 @@
 """Docs generated from committed benchmark results: ``syncasync-bench report --from docs/results --to
-docs/benchmarks.md --to docs/benchmarks_archive.md --to README.md``.
+docs/benchmarks.md --to docs/benchmarks_archive.md --to docs/strategies.md --to README.md``.
 
 A Markdown file keeps its prose by hand and its figures from the results, between markers that regenerating
 rewrites (and nothing else)::

@@ -133,3 +133,10 @@ def test_the_readme_is_a_front_door():
     cells = [c.strip() for line in lines if line.startswith("|") for c in line.strip().strip("|").split(" | ")]
     long = [c for c in cells if len(c) > 200]
     assert cells and not long, long
+
+
+def test_the_docs_name_the_strategy_for_each_situation_in_the_readmes_words():
+    """docs/strategies.md's "Which strategy?" is the README's marker, word for word (both rendered from the results)."""
+    spec = re.compile(r"<!-- bench:which\n.*?-->", re.S)
+    (readme,) = spec.findall(_text(README))
+    assert spec.findall(_text(STRATEGIES_DOC)) == [readme]
