@@ -89,7 +89,7 @@ from lightning_syncasync.strategies._round_length import RoundLengthReport, roun
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, drop_added_callback_states
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import AsyncSSPOptions, resolve_options
+from lightning_syncasync.strategies.options import AsyncSSPOptions, adopt, resolve_options
 
 __all__ = ["AsyncSSPStrategy", "DivergenceError"]
 
@@ -193,20 +193,10 @@ class AsyncSSPStrategy(
         if opts.exchange_every < 1:
             raise ValueError(f"exchange_every must be >= 1, got {opts.exchange_every}; HINT: 1 exchanges every step")
         super().__init__(**kwargs)
-        self.options = opts
+        adopt(self, opts)
         self.staleness = staleness
         self.local_steps = local_steps
-        self.outer, self.outer_lr, self.outer_momentum = opts.outer, opts.outer_lr, opts.outer_momentum
-        self.outer_momentum_every = opts.outer_momentum_every
-        self.dynamic_local_steps = opts.dynamic_local_steps
-        self.round_s = opts.round_s
-        self.compensation = opts.compensation
-        self.lam = opts.lam
         self.compression = compression
-        self.compression_options = dict(opts.compression_options)
-        self.peer_timeout_s = opts.peer_timeout_s
-        self.round_interval_s = opts.round_interval_s
-        self.exchange_every = opts.exchange_every
         self.claim_batches = claim_batches
         self.warmup_steps = warmup_steps
         self.adaptive_batch = adaptive_batch

@@ -62,7 +62,13 @@ from lightning_syncasync.strategies._round_length import round_length
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import AsyncSSPOptions, no_other_keywords, resolve_options, unused_fields
+from lightning_syncasync.strategies.options import (
+    AsyncSSPOptions,
+    adopt,
+    no_other_keywords,
+    resolve_options,
+    unused_fields,
+)
 
 _PER_STEP = ("compensation", "lam", "round_interval_s", "exchange_every")  # AsyncSSPOptions of per-step mode
 
@@ -131,16 +137,10 @@ class ShardedAsyncSSPStrategy(
         check_node_size(node_size, virtual_nodes)
         check_sharded_settings(node_size, start_method)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.options = opts
+        adopt(self, opts)
         self.staleness = staleness
         self.local_steps = local_steps
-        self.outer, self.outer_lr, self.outer_momentum = opts.outer, opts.outer_lr, opts.outer_momentum
-        self.outer_momentum_every = opts.outer_momentum_every
-        self.dynamic_local_steps = opts.dynamic_local_steps
-        self.round_s = opts.round_s
         self.compression = compression
-        self.compression_options = dict(opts.compression_options)
-        self.peer_timeout_s = opts.peer_timeout_s
         self.node_size = node_size
         self.virtual_nodes = virtual_nodes
         self.start_method = start_method

@@ -78,7 +78,7 @@ from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_grou
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers, drop_added_callback_states
 from lightning_syncasync.strategies._validation import ValidatesNodeMean
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import AutoSyncOptions, resolve_options
+from lightning_syncasync.strategies.options import AutoSyncOptions, adopt, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +150,16 @@ class AutoSyncStrategy(
                      opts.peer_timeout_s, kwargs, type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size)
         super().__init__(**kwargs)
-        self.options = opts
+        adopt(self, opts)
         self.mode: str = mode
         self.switcher = switcher
         self.node_size = node_size
         self.inter_period, self.max_delay = inter_period, max_delay
-        self.staleness, self.compensation, self.lam = staleness, opts.compensation, opts.lam
+        self.staleness = staleness
         self.local_steps = local_steps
         self._lengths: dict[str, RoundLength] = {}  # per mode, kept across switches (the link does not change)
         self._length_reports: dict[str, RoundLengthReport] = {}
         self.compression = compression
-        self.compression_options = dict(opts.compression_options)
-        self.peer_timeout_s = opts.peer_timeout_s
         self.sync_stats = StatsRecorder(mode=mode)
         self.topology: Topology | None = None
         self.averager: DelayedAverager | None = None

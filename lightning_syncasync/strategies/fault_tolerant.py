@@ -74,7 +74,7 @@ from lightning_syncasync.strategies._optim import unwrap_optimizer
 from lightning_syncasync.strategies._sigterm import SigtermScope
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import FaultTolerantOptions, resolve_options
+from lightning_syncasync.strategies.options import FaultTolerantOptions, adopt, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +177,10 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         check_kwargs(type(self), kwargs, wraps_ddp=True)
         super().__init__(**kwargs)
         self.strategy_name = name
-        self.options = opts
+        adopt(self, opts)
         self.local_steps, self.staleness, self.dynamic_local_steps = local_steps, staleness, dynamic_local_steps
-        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.min_replicas, self.max_replicas, self.replica_group = min_replicas, max_replicas, replica_group
         self.lighthouse = lighthouse
-        self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = timeout_s, quorum_timeout_s, connect_timeout_s
         self.compression = compression
         if exchange not in ("elastic", "torchft_diloco"):
             raise ValueError(
@@ -192,7 +190,6 @@ class FaultTolerantStrategy(WatchedStrategy, CheckpointedAlgorithm, MergesBefore
         self.exchange = exchange
         self._diloco: Any = None
         self._diloco_healed: dict[str, Any] | None = None  # a live node's counters, taken by a DiLoCo heal
-        self.peer_timeout_s = peer_timeout_s
         self.sync_stats = StatsRecorder(mode="hier")
         self.rounds: ElasticRounds | None = None
         self.elastic_stats: ElasticStats | None = None  # the last fit's rounds (kept after teardown)

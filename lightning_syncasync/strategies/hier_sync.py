@@ -41,7 +41,7 @@ from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_grou
 from lightning_syncasync.strategies._state import CheckpointedAlgorithm, SavesNodeOptimizers
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import HierSyncOptions, resolve_options
+from lightning_syncasync.strategies.options import HierSyncOptions, adopt, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +108,11 @@ class HierSyncStrategy(
                      opts.peer_timeout_s, kwargs, type(self), wraps_ddp=True)  # fmt: skip
         check_node_size(node_size, virtual_nodes)
         super().__init__(**kwargs)
-        self.options = opts
+        adopt(self, opts)
         self.inter_period = inter_period
         self.max_delay = max_delay
         self.node_size = node_size
-        self.outer = opts.outer
-        self.outer_lr = opts.outer_lr
-        self.outer_momentum = opts.outer_momentum
         self.compression = compression
-        self.compression_options = dict(opts.compression_options)
-        self.peer_timeout_s = opts.peer_timeout_s
         self.warmup_steps = warmup_steps
         self.virtual_nodes = virtual_nodes
         self.sync_stats = StatsRecorder(mode="hier")

@@ -53,7 +53,7 @@ from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sha
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import HierSyncOptions, no_other_keywords, resolve_options
+from lightning_syncasync.strategies.options import HierSyncOptions, adopt, no_other_keywords, resolve_options
 
 
 class ShardedHierSyncStrategy(
@@ -118,17 +118,12 @@ class ShardedHierSyncStrategy(
                 "every inter_period steps, or drop compression"
             )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.options = opts
+        adopt(self, opts)
         self.inter_period = inter_period
         self.max_delay = max_delay
         self.node_size = node_size
         self.virtual_nodes = virtual_nodes
-        self.outer = opts.outer
-        self.outer_lr = opts.outer_lr
-        self.outer_momentum = opts.outer_momentum
         self.compression = compression
-        self.compression_options = dict(opts.compression_options)
-        self.peer_timeout_s = opts.peer_timeout_s
         self.start_method = start_method
         self.hsdp = hsdp
         self.sync_stats = StatsRecorder(mode="sync" if hsdp else "hier")

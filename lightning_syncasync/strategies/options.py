@@ -164,6 +164,15 @@ def resolve_options(
     return dataclasses.replace(base, **given) if given else base
 
 
+def adopt(strategy: Any, options: Any) -> None:
+    """``options`` as the strategy's ``options``, and each of its fields as the strategy's attribute of that name (what
+    its setup reads, as when the fields were keywords); ``compression_options`` copied."""
+    strategy.options = options
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        setattr(strategy, f.name, dict(value) if isinstance(value, dict) else value)
+
+
 def no_other_keywords(kwargs: dict[str, Any], owner: str, options: type, cls: type) -> None:
     """For a strategy (``cls``) whose ``**kwargs`` only carry its options' fields by their old names: anything left
     is a typo."""
