@@ -68,15 +68,11 @@ class SyncSwitcher(Callback):
             straggler is then handled synchronously by rebalancing batches, which measured faster than async.
         rollback: keep the last good state and restore it on divergence.
         allow_async: let the policy choose ``async`` (jitter, or a persistent straggler without rebalancing).
-            ``None`` (default): on, for one node and (since issue 66) for several, measured with 5 seeds each
-            (docs/benchmarks.md). On several nodes, under pauses (``jitter_slow_link``), with the link's own wait read
-            per step the switcher went async in 5 of 5 runs, at 1488 samples/s (median) against 1237 with async
-            off (which went ``hier``), time to target with async off over allowed 1.09x [0.85-1.29]. Before issue
-            66 (docs/benchmarks.md, "Should auto_sync go async by default"): on one node under jitter
-            (``jitter_long``) the time with async off over allowed was 1.23x [1.00-1.70], and with a persistent
-            straggler, one for the middle third, or none it never went async in 15 of 15 runs; on several nodes the
-            ranks' waits for each other's pauses read as communication and it went ``hier`` either way.
-            ``True``/``False`` decide for every topology.
+            ``None`` (default): on, on any topology. Under pauses across nodes (``jitter_slow_link``, 5 seeds) it
+            went async in 5 of 5 runs, at 1488 samples/s against 1237 with async off; the rest of the evidence, one
+            node included: docs/benchmarks.md#auto_sync-a-user-can-leave-on-issue-66. ``True``/``False`` decide
+            for every topology.
+
     Example::
 
         Trainer(strategy="auto_sync", devices=4, callbacks=[SyncSwitcher(window=20, jitter_high=0.6)])
@@ -108,8 +104,8 @@ class SyncSwitcher(Callback):
             raise ValueError(f"first_window must be >= 2 steps, got {first_window}; HINT: 3 decides after 3 steps")
         if allow_async is not None and not isinstance(allow_async, bool):  # `1 in (True,)` would let 1 through
             raise ValueError(
-                f"allow_async must be None, True or False, got {allow_async!r}; HINT: None allows async on one node "
-                "only (the measured default), True or False decides for every topology"
+                f"allow_async must be None, True or False, got {allow_async!r}; HINT: None (the default) allows "
+                "async on any topology, True or False decides for every topology"
             )
         self.window = window
         self.first_window = first_window
