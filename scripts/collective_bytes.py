@@ -104,7 +104,7 @@ def main() -> int:
         nodes, per_node = (int(v) for v in shape.split("x"))
         idle = measure(nodes, per_node, "idle", "auto", args.steps)
         for method in args.methods.split(","):
-            layouts = ["two_phase", "allgather"] if method in ("int8", "sign", "int4") else ["auto"]
+            layouts = ["two_phase", "allgather"] if method in ("int8", "sign", "int4", "int2") else ["auto"]
             for collective in layouts:
                 got = measure(nodes, per_node, method, collective, args.steps)
                 row = {

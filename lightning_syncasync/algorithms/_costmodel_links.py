@@ -15,6 +15,7 @@ COMPRESSION: dict[str, tuple[float, str]] = {
     "bf16": (0.5, "all_reduce"),
     "int8": (0.254, "two_phase"),
     "int4": (0.129, "two_phase"),
+    "int2": (0.066, "two_phase"),
     "sign": (0.035, "two_phase"),
     "powersgd": (0.03, "all_reduce"),
 }

@@ -1,4 +1,5 @@
-"""The chunked codecs' arithmetic (``int8``, ``int4``, ``sign``) as plain tensor functions, eager or fused.
+"""The chunked codecs' arithmetic (``int8``, ``int4``, ``int2``, ``sign``) as plain tensor functions, eager or
+fused.
 
 ``Compressor`` calls :func:`encode`, :func:`decode` and :func:`decode_mean` for its byte payloads. Each is written
 once and runs either as it is (eager: one kernel per operation, every intermediate a full tensor in memory) or
@@ -17,8 +18,15 @@ instead of this rank's decoded copy, so the residual never takes a pass of its o
 
 Layout of one block (a row of the payload): the codes, then each chunk's fp32 scale as 4 bytes, so a row can be
 sent to one rank and decoded alone. ``int8``: one signed byte per element. ``int4``: values -7..7 offset to 1..15,
-two per byte, low nibble first. ``sign``: 1 bit per element (most significant first, 1 for >= 0) and the chunk's
-mean absolute value as its scale (EF-SignSGD, Karimireddy et al., 2019).
+two per byte, low nibble first. ``int2``: ternary, values -1..1 offset to 1..3 (code 0 unused, as int4's nibble 0),
+four per byte, lowest bits first; the scale is the chunk's largest magnitude. ``sign``: 1 bit per element (most
+significant first, 1 for >= 0) and the chunk's mean absolute value as its scale (EF-SignSGD, Karimireddy et al., 2019).
+
+Why ``int2`` is ternary rather than 4 levels: zero is exact (small and sparse coordinates cost nothing), it is
+TernGrad's scheme (Wen et al., NeurIPS 2017: no loss on AlexNet at about 1.58 bits), and the integer codes of ``n``
+ranks sum without bias into ``[-n, n]``, which a summable shared-scale form can add. Stochastic rounding
+(``floor(q + u)``, ``u`` uniform in [0, 1), then the clamp) is unbiased: every ``q`` of a chunk divided by its
+largest magnitude lies in [-1, 1], where the clamp changes nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ Codec = Literal["auto", "eager", "compiled"]
 CODECS: tuple[str, ...] = ("auto", "eager", "compiled")
 # Overrides every Compressor's `codec` setting (for a whole job, e.g. to rule the compiler out when chasing a bug).
 CODEC_ENV = "SYNCASYNC_CODEC"
-LEVELS = {"int8": 127.0, "int4": 7.0}
+# Levels each side of zero of the absmax codecs (int2 is ternary: -1, 0, 1 times the chunk's largest magnitude).
+LEVELS = {"int8": 127.0, "int4": 7.0, "int2": 1.0}
 # Compiled calls per case that also run eagerly and are compared, to catch a miscompiled graph: the first calls of
 # each case, and the first call at each new size up to CHECKED_SIZES sizes (Dynamo compiles a static graph for the
 # first size and a dynamic one at the first change of size: both are among them).
@@ -63,7 +72,7 @@ AGREE_MIN = 4
 
 def code_bytes(method: str, s: int) -> int:
     """Bytes of codes for ``s`` elements (a multiple of the chunk size, itself a multiple of 8)."""
-    return {"int8": s, "int4": s // 2, "sign": s // 8}[method]
+    return {"int8": s, "int4": s // 2, "int2": s // 4, "sign": s // 8}[method]
 
 
 def encode(
@@ -79,7 +88,8 @@ def encode(
     """Encode ``flat + residual`` (``residual`` may be ``None``), zero-padded to ``rows * row_len`` elements, as
     ``rows`` blocks: ``(payload [rows, bytes per block] uint8, kept [numel])``. ``kept`` is the new residual
     ``flat + residual - decoded`` with ``feedback``, else the decoded copy (what the other ranks will read).
-    ``noise`` (``int8``/``int4`` stochastic rounding): uniform [0, 1) draws shaped ``[rows, chunks, chunk]``."""
+    ``noise`` (``int8``/``int4``/``int2`` stochastic rounding): uniform [0, 1) draws shaped
+    ``[rows, chunks, chunk]``."""
     n = flat.numel()
     x = flat if residual is None else flat + residual
     chunks = F.pad(x, (0, rows * row_len - n)).view(rows, -1, chunk)
@@ -99,9 +109,12 @@ def encode(
         own = q * scale
         if method == "int8":
             codes = q.to(torch.int8).reshape(rows, -1).view(torch.uint8)
-        else:
+        elif method == "int4":
             nibbles = (q + 8).to(torch.uint8).reshape(rows, -1, 2)
             codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        else:
+            crumbs = (q + 2).to(torch.uint8).reshape(rows, -1, 4)
+            codes = crumbs[..., 0] | (crumbs[..., 1] << 2) | (crumbs[..., 2] << 4) | (crumbs[..., 3] << 6)
     scales = scale.reshape(rows, -1).view(torch.uint8)
     payload = torch.cat([codes.reshape(rows, -1), scales], dim=1)
     # Sliced after the subtraction, from the padded input: the same numbers as ``x - decoded`` (the first ``n``
@@ -120,6 +133,9 @@ def decode(method: str, payload: torch.Tensor, row_len: int, chunk: int) -> torc
         q = codes.contiguous().view(torch.int8).float()
     elif method == "int4":
         q = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(rows, row_len).float() - 8.0
+    elif method == "int2":
+        crumbs = [codes & 0x03, (codes >> 2) & 0x03, (codes >> 4) & 0x03, codes >> 6]
+        q = torch.stack(crumbs, dim=2).reshape(rows, row_len).float() - 2.0
     else:
         bits = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=payload.device)
         q = torch.where((codes.reshape(rows, -1, 1) & bits).ne(0), 1.0, -1.0).reshape(rows, row_len)

@@ -52,7 +52,7 @@ from lightning_syncasync.algorithms.stats import Scope, StatsRecorder, timing_ev
 # Exchanges a warm-up may use (exact enough to measure the gradients' scale), and the chunk-scaled methods that
 # frozen_rms rescales.
 WARMUP_METHODS = ("none", "fp16", "bf16", "int8")
-RESCALED_METHODS = ("int8", "int4", "sign")
+RESCALED_METHODS = ("int8", "int4", "int2", "sign")
 
 
 class CompressedAllReduce:
@@ -73,7 +73,7 @@ class CompressedAllReduce:
             warm-up's bytes low; its residuals carry over into the compressed phase.
         frozen_rms: scale each coordinate by its RMS measured over the warm-up's averaged gradients before
             compressing (module docstring). Needs ``warmup_steps >= 1`` and a chunk-scaled method (``int8``,
-            ``int4``, ``sign``).
+            ``int4``, ``int2``, ``sign``).
 
     Example::
 

@@ -12,11 +12,17 @@ Methods (``bytes per fp32 element on the wire`` in brackets):
   overflow, as torch's ``fp16_compress_hook``), cast back.
 * ``int8`` [~1.02]: per-chunk absmax scale, nearest or stochastic rounding.
 * ``int4`` [~0.52]: the same with 4 bits (values -7..7, two to a byte): the brief's "4-bit quantisation".
+* ``int2`` [~0.27]: ternary codes (-1, 0, 1 times the chunk's largest magnitude, four to a byte), TernGrad's scheme
+  (Wen et al., NeurIPS 2017); zero stays exact (``_codec.py``). At the default chunk of 256 the payload is 6.6% of
+  fp32's bytes; measured on the wire, two-phase, 0.067 of fp32 per rank on 2 ranks and 0.100 on 4
+  (``scripts/collective_bytes.py``). With error feedback keep ``rounding="nearest"`` (the default): stochastic
+  rounding is unbiased, but its variance (``max|x| * |x|`` per element) exceeds a Gaussian chunk's energy, so the
+  residual settles at about 6x the input's norm instead of 1.2x (``tests/algorithms/compression/test_int2.py``).
 * ``sign`` [~0.14]: 1 bit per element (packed 8 to a byte) and a per-chunk scale, the chunk's mean absolute value
   (scaled sign of EF-SignSGD: Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019).
 
 Quantised values with different scales cannot be summed by an all-reduce. The chunked methods (``int8``, ``int4``,
-``sign``) therefore travel by one of two ``collective`` layouts:
+``int2``, ``sign``) therefore travel by one of two ``collective`` layouts:
 
 * ``"two_phase"``: a compressed all-reduce in two phases, the shape of DeepSpeed's 1-bit Adam
   all-reduce and Bagua's ByteGrad. The tensor is cut into one shard per rank; every rank encodes each shard and an
@@ -66,10 +72,10 @@ from lightning_syncasync.algorithms.compression._codec import CHECKED_CALLS, COD
 from lightning_syncasync.algorithms.compression._powersgd import _PowerSGD
 from lightning_syncasync.algorithms.streams import wait_for_device
 
-Method = Literal["none", "fp16", "bf16", "int8", "int4", "sign", "powersgd"]
-METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "sign", "powersgd")
+Method = Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sign", "powersgd"]
+METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "int2", "sign", "powersgd")
 # Methods whose payloads are chunk-scaled codes (not summable by an all-reduce): they use `collective`.
-CHUNKED: tuple[str, ...] = ("int8", "int4", "sign")
+CHUNKED: tuple[str, ...] = ("int8", "int4", "int2", "sign")
 Rounding = Literal["nearest", "stochastic"]
 Collective = Literal["auto", "two_phase", "allgather"]
 COLLECTIVES: tuple[str, ...] = ("auto", "two_phase", "allgather")
@@ -96,21 +102,22 @@ class Compressor(_PowerSGD):
     """Compressed mean over a process group, with error feedback and exact byte accounting.
 
     Args:
-        method: one of ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``, ``powersgd`` (module docstring).
+        method: one of ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``sign``, ``powersgd`` (module
+            docstring).
         error_feedback: keep what compression drops and add it to the next tensor of the same key (and, in the
             two-phase layout, what the re-encoding of each averaged shard drops, on the rank that owns the shard).
             Ignored for ``none``; on by default for the others (``sign`` without it does not converge in general).
-        chunk_size: elements per scale for ``int8``, ``int4`` and ``sign`` (a positive multiple of 8: ``sign``
-            packs 8 elements to a byte).
-        rounding: ``int8``/``int4`` rounding, ``"nearest"`` or ``"stochastic"`` (unbiased).
-        collective: how ``int8``, ``int4`` and ``sign`` travel: ``"two_phase"`` (per-rank traffic independent of the
-            number of ranks), ``"allgather"`` (every rank receives every other rank's payload) or ``"auto"``
-            (all-gather on 2 ranks, two-phase from 3); module docstring.
+        chunk_size: elements per scale for the chunked methods (a positive multiple of 8: ``sign`` packs 8
+            elements to a byte, ``int2`` 4).
+        rounding: ``int8``/``int4``/``int2`` rounding, ``"nearest"`` or ``"stochastic"`` (unbiased).
+        collective: how the chunked methods (``int8``, ``int4``, ``int2``, ``sign``) travel: ``"two_phase"``
+            (per-rank traffic independent of the number of ranks), ``"allgather"`` (every rank receives every other
+            rank's payload) or ``"auto"`` (all-gather on 2 ranks, two-phase from 3); module docstring.
         rank: ``powersgd`` rank.
         matrix_cols: ``powersgd`` only: columns of the matrix a tensor without shapes is viewed as.
         seed: seeds stochastic rounding (give each rank its own) and, with ``factor_seed``, nothing else.
         factor_seed: seeds the initial ``powersgd`` factors, which must be identical on every rank of the group.
-        codec: how ``int8``, ``int4`` and ``sign`` encode and decode: ``"eager"`` (one torch operation at a time),
+        codec: how the chunked methods encode and decode: ``"eager"`` (one torch operation at a time),
             ``"compiled"`` (fused by ``torch.compile``: Triton on CUDA, C++ on the CPU; the same codes, a few seconds
             of compiling per process), or ``"auto"`` (the default: compiled on CUDA, eager elsewhere). The
             environment variable ``SYNCASYNC_CODEC`` overrides it for a whole job.
@@ -142,7 +149,7 @@ class Compressor(_PowerSGD):
             )
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 8 or chunk_size % 8:
             raise ValueError(
-                f"chunk_size must be a positive multiple of 8 (sign packs 8 elements to a byte, int4 2), got "
+                f"chunk_size must be a positive multiple of 8 (sign packs 8 elements to a byte, int2 4, int4 2), got "
                 f"{chunk_size!r}; HINT: the default 256 adds about 2% of scales to the payload"
             )
         if collective not in COLLECTIVES:
@@ -438,7 +445,7 @@ class Compressor(_PowerSGD):
         self.factors = {k: v.clone() for k, v in state["factors"].items()}
         self.calls = int(state["calls"])
 
-    # -- int8, int4 and sign: packed byte blocks -----------------------------------------------------------------
+    # -- int8, int4, int2 and sign: packed byte blocks -----------------------------------------------------------
 
     def _encode_rows(
         self,

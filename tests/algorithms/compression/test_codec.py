@@ -18,11 +18,19 @@ from lightning_syncasync.algorithms.compression.compressor import Compressor
 
 pytestmark = pytest.mark.timeout(240)
 
-CASES = [("int8", "nearest"), ("int8", "stochastic"), ("int4", "nearest"), ("int4", "stochastic"), ("sign", "nearest")]
+CASES = [
+    ("int8", "nearest"),
+    ("int8", "stochastic"),
+    ("int4", "nearest"),
+    ("int4", "stochastic"),
+    ("int2", "nearest"),
+    ("int2", "stochastic"),
+    ("sign", "nearest"),
+]
 # Each case compiles graphs of its own: 4-6 s each on a cold cache on 2 cores, 17 s for the first (CI starts cold).
-# The default run keeps each method and each rounding once (int8 nearest, int4 stochastic, sign); the two other
+# The default run keeps each method and each rounding once (int8 nearest, int4 and int2 stochastic, sign); the other
 # pairings run with `-m slow`. A user's first call of each size is also checked against eager by the codec itself.
-_SLOW_CASES = {("int8", "stochastic"), ("int4", "nearest")}
+_SLOW_CASES = {("int8", "stochastic"), ("int4", "nearest"), ("int2", "nearest")}
 CASE_PARAMS = [pytest.param(m, r, marks=pytest.mark.slow) if (m, r) in _SLOW_CASES else (m, r) for m, r in CASES]
 
 
@@ -35,7 +43,7 @@ def _codes(method: str, payload: torch.Tensor, row_len: int) -> torch.Tensor:
 
 
 def _same(method: str, a: torch.Tensor, b: torch.Tensor, row_len: int) -> None:
-    """int8 and int4 payloads are bitwise equal (their scale is a maximum); sign's codes are, and its scales (a
+    """int8, int4 and int2 payloads are bitwise equal (their scale is a maximum); sign's codes are, and its scales (a
     chunk's mean, summed in another order by the fused loop) agree to the last bits."""
     assert torch.equal(_codes(method, a, row_len), _codes(method, b, row_len))
     if method == "sign":

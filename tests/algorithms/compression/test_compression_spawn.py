@@ -35,14 +35,16 @@ def test_every_method_one_round():
         res = run_distributed(_one_round, 2, method)
         torch.testing.assert_close(res[0]["mean"], res[1]["mean"])  # every rank gets the same result
         err = (res[0]["mean"] - expected).norm() / expected.norm()
-        bound = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2, "int8": 0.02, "int4": 0.3, "sign": 0.9, "powersgd": 1.0}[
-            method
-        ]
+        # int2: ternary codes of randn chunks of 256 send only the elements past half the chunk's largest (measured
+        # 0.81); error feedback sends the rest later.
+        bound = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2, "int8": 0.02, "int4": 0.3, "int2": 0.9, "sign": 0.9}
+        bound["powersgd"] = 1.0
+        bound = bound[method]
         assert err <= bound, (method, float(err))
         ratio = res[0]["bytes"] / (N * 4)
-        limit = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.26, "int4": 0.135, "sign": 0.04, "powersgd": 0.2}[
-            method
-        ]
+        limit = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.26, "int4": 0.135, "int2": 0.07, "sign": 0.04}
+        limit["powersgd"] = 0.2
+        limit = limit[method]
         assert ratio <= limit, (method, ratio)
         if method != "none" and method != "powersgd":
             # What was dropped is kept: own decoded + residual == what was sent.
@@ -62,7 +64,7 @@ def _error_feedback_sum(rank: int, world: int, method: str, steps: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["int8", "int4", "sign"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int2", "sign"])
 def test_error_feedback_loses_nothing(method):
     steps = 100
     res = run_distributed(_error_feedback_sum, 2, method, steps)
@@ -143,7 +145,7 @@ def test_state_dict_resumes_the_same_sequence(method):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"method": "int2"}, "compression must be one of"),
+        ({"method": "int3"}, "compression must be one of"),
         ({"method": "int8", "chunk_size": 12}, "chunk_size"),
         ({"method": "int8", "rounding": "up"}, "rounding"),
         ({"method": "powersgd", "rank": 0}, "rank must be"),
@@ -169,7 +171,7 @@ def test_integer_and_sparse_tensors_are_refused(tensor, match):
         Compressor("int8").allreduce(tensor, None, key="k")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "sign"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int2", "sign"])
 def test_time_codec_measures_without_touching_the_state(method):
     comp = Compressor(method, rounding="stochastic" if method != "sign" else "nearest")
     enc, dec = comp.time_codec(10_000, reps=2)

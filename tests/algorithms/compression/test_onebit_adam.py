@@ -54,7 +54,7 @@ def test_after_warmup_ranks_agree_and_send_one_bit_per_element():
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"lr": 0}, "lr"), ({"warmup_steps": 0}, "warmup_steps"), ({"compression": "int2"}, "compression")],
+    [({"lr": 0}, "lr"), ({"warmup_steps": 0}, "warmup_steps"), ({"compression": "int3"}, "compression")],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

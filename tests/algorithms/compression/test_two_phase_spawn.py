@@ -53,7 +53,15 @@ def _steps(rank: int, world: int, method: str, collective: str, steps: int, roun
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("method", "rounding"),
-    [("int8", "nearest"), ("int8", "stochastic"), ("int4", "nearest"), ("int4", "stochastic"), ("sign", "nearest")],
+    [
+        ("int8", "nearest"),
+        ("int8", "stochastic"),
+        ("int4", "nearest"),
+        ("int4", "stochastic"),
+        ("int2", "nearest"),
+        ("int2", "stochastic"),
+        ("sign", "nearest"),
+    ],
 )
 def test_two_phase_loses_nothing_and_agrees_everywhere(method, rounding):
     world, steps = 4, 30
@@ -66,8 +74,10 @@ def test_two_phase_loses_nothing_and_agrees_everywhere(method, rounding):
         assert r["same"]  # every rank decodes the same bytes: bitwise-identical means
         assert r["server"] is not None and r["server"].abs().sum() > 0  # the second residual carries something
         assert r["left"] == ({}, {})  # pop_residual took everything out
-    # Each step's mean is within the error-feedback bound (the int8 code and scaled sign of randn inputs).
-    bound = {"int8": 0.03, "int4": 0.5, "sign": 1.6}[method]
+    # Each step's mean is within the error-feedback bound (the int8 code and scaled sign of randn inputs). int2: the
+    # ternary step error measured 3.4 (nearest) and 68 (stochastic: its variance, max|x| |x| per element, exceeds a
+    # randn chunk's energy, so both residuals settle at several times the input; test_int2.py).
+    bound = {"int8": 0.03, "int4": 0.5, "int2": 4.0 if rounding == "nearest" else 100.0, "sign": 1.6}[method]
     assert max(res[0]["errors"]) < bound, res[0]["errors"]
 
 
@@ -78,10 +88,10 @@ def _wire(rank: int, world: int, method: str, collective: str) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", ["int8", "sign"])
+@pytest.mark.parametrize("method", ["int8", "int2", "sign"])
 def test_per_rank_traffic_does_not_grow_with_the_ranks(method):
     fp32 = (1 << 16) * 4
-    code = {"int8": 1.0 + 4 / 256, "sign": 1 / 8 + 4 / 256}[method] / 4  # codes + one fp32 scale per 256
+    code = {"int8": 1.0 + 4 / 256, "int2": 1 / 4 + 4 / 256, "sign": 1 / 8 + 4 / 256}[method] / 4  # codes + scales
     for world in (2, 3, 4):
         two = run_distributed(_wire, world, method, "two_phase")[0]["wire"]
         gather = run_distributed(_wire, world, method, "allgather")[0]["wire"]
