@@ -180,7 +180,7 @@ def test_a_nan_loss_stops_the_run_naming_the_rank(tmp_path, model, what, accumul
         ({"staleness": -1}, "staleness"),
         ({"compensation": "magic"}, "compensation"),
         ({"lam": -0.5}, "lam"),
-        ({"compression": "int2"}, "compression"),
+        ({"compression": "int3"}, "compression"),
         ({"peer_timeout_s": 0}, "peer_timeout_s"),
         ({"exchange_every": 0}, "exchange_every"),
     ],

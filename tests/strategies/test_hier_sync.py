@@ -282,7 +282,7 @@ def test_node_size_that_does_not_divide_the_world_fails_at_setup(tmp_path):
         ({"outer_lr": -1.0}, "outer_lr"),
         ({"outer_momentum": 1.5}, "outer_momentum"),
         ({"model_averaging_period": 4}, "model_averaging_period"),
-        ({"compression": "int2"}, "compression must be one of"),
+        ({"compression": "int3"}, "compression must be one of"),
         ({"compression": "powersgd", "compression_options": {"rank": 0}}, "rank must be"),
         ({"peer_timeout_s": 0}, "peer_timeout_s"),
         ({"warmup_steps": -1}, "warmup_steps"),
