@@ -18,11 +18,12 @@ Three pieces make that safe for any LightningModule:
   batch (torch's default ``reduction``); for a summed loss pass ``loss_reduction="sum"``.
 * **One decision.** Every ``interval`` batches, each rank's compute throughput since the last decision (samples per
   second of compute, communication waits excluded, from the same ``StatsRecorder`` that ``SyncMonitor`` closes) is
-  gathered; rank 0 decides (with hysteresis and bounds) and broadcasts; all ranks schedule the new split from the same
-  sampler step, past anything their loaders have prefetched. Under a strategy whose ranks are apart between its
-  exchanges (``async_ssp``, ``hier_sync``, ``auto_sync`` in async or hier mode) the gather runs in the background and
-  is read a window later, where every rank takes the same decision from the same numbers: no collective that every
-  rank waits at.
+  gathered; rank 0 decides (with hysteresis and bounds; when to move is
+  :class:`~lightning_syncasync.algorithms.batching.rebalance.RebalancePolicy`) and broadcasts; all ranks schedule the
+  new split from the same sampler step, past anything their loaders have prefetched. Under a strategy whose ranks are
+  apart between its exchanges (``async_ssp``, ``hier_sync``, ``auto_sync`` in async or hier mode) the gather runs in
+  the background and is read a window later, where every rank takes the same decision from the same numbers: no
+  collective that every rank waits at.
 
 With ``hier_sync`` each node keeps an equal share of ``B`` (node models are averaged uniformly, so only then is the
 update unbiased); ranks are rebalanced inside their node. Decisions go to ``SyncMonitor``'s summary (``events``),
@@ -33,7 +34,6 @@ continues with it.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -42,16 +42,21 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_syncasync.algorithms._comm import broadcast_
 from lightning_syncasync.algorithms.batching._loader import loader_kwargs, sampling_order
 from lightning_syncasync.algorithms.batching.balancer import BatchBalancer
 from lightning_syncasync.algorithms.batching.batch_sampler import VariableBatchSampler
 from lightning_syncasync.algorithms.batching.noise_scale import GradientNoiseScale
+from lightning_syncasync.algorithms.batching.rebalance import RebalancePolicy, broadcast_decision, grown_batch
 from lightning_syncasync.algorithms.stats import StatsRecorder, StepStats
-from lightning_syncasync.algorithms.topology import Topology
+from lightning_syncasync.callbacks._batch_loader import (
+    global_batch_of,
+    initial_sizes,
+    node_groups,
+    patch_process_dataloader,
+)
 from lightning_syncasync.callbacks._noise_probe import NoiseScaleProbe
 from lightning_syncasync.callbacks._stats_source import PendingRows, gather_rows, ranks_apart, stats_recorder
 from lightning_syncasync.callbacks._step_log import is_logging_step, write_step_values
@@ -201,8 +206,7 @@ class AdaptiveBatchSize(Callback):
         self._last_seen: StepStats | None = None
         self._samples = 0.0
         self._per_sample: list[float] = []  # this window's steps: compute seconds per sample of each
-        self._streak: tuple[tuple[int, ...], int] | None = None  # (the move called for, windows in a row)
-        self._throughput: list[float] | None = None
+        self._policy = RebalancePolicy(smoothing, persistence)
         self._pending: PendingRows | None = None  # the window gathered in the background (asynchronous strategies)
         self._prefetch_bound = 2
 
@@ -225,35 +229,14 @@ class AdaptiveBatchSize(Callback):
             self._monitor = SyncMonitor(progress_bar=False, print_summary=False, cuda_sync=False)
             trainer.callbacks.append(self._monitor)
             rank_zero_info("AdaptiveBatchSize: added a SyncMonitor to measure per-rank compute throughput")
-        self._patch_dataloader_injection(trainer)
-
-    def _patch_dataloader_injection(self, trainer: pl.Trainer) -> None:
-        # Lightning hands every dataloader to `strategy.process_dataloader` right after injecting its
-        # DistributedSampler and before measuring the loader's length and starting the fetcher: the one point where
-        # the training loader can be replaced for any strategy, including on `reload_dataloaders_every_n_epochs`.
-        strategy = trainer.strategy
-        original = strategy.process_dataloader
-
-        def process_dataloader(dataloader: object) -> object:
-            dataloader = original(dataloader)
-            if trainer.training and isinstance(dataloader, DataLoader):
-                dataloader = self._replace_loader(trainer, dataloader)
-            return dataloader
-
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
-
-        def unpatch() -> None:
-            if strategy.__dict__.get("process_dataloader") is process_dataloader:
-                del strategy.process_dataloader
-
-        self._unpatch = unpatch
+        self._unpatch = patch_process_dataloader(trainer, lambda loader: self._replace_loader(trainer, loader))
 
     def _replace_loader(self, trainer: pl.Trainer, loader: DataLoader) -> DataLoader:
         if isinstance(loader.batch_sampler, VariableBatchSampler):
             return loader
         world = trainer.world_size
         try:
-            global_batch = self._global_batch_of(loader, world)
+            global_batch = global_batch_of(loader, world, self.global_batch)
         except (TypeError, ValueError) as why:
             if self.required:
                 raise
@@ -271,11 +254,11 @@ class AdaptiveBatchSize(Callback):
         restored_batch = (self._restored or {}).get("global_batch")
         if self.grow_batch and isinstance(restored_batch, int) and global_batch < restored_batch <= len(dataset):
             global_batch = restored_batch  # a resumed run keeps the batch it had grown to
-        groups = _node_groups(trainer.strategy)
+        groups = node_groups(trainer.strategy)
         self.balancer = BatchBalancer(
             global_batch, world, self.min_batch, self.max_batch, groups=groups, hysteresis=self.hysteresis
         )
-        sizes = self._initial_sizes(self.balancer)
+        sizes = initial_sizes(self.balancer, self._restored, self.sizes)
         self.sampler = VariableBatchSampler(
             len(dataset),
             trainer.global_rank,
@@ -301,42 +284,9 @@ class AdaptiveBatchSize(Callback):
         )
         return DataLoader(dataset, **kwargs)
 
-    def _global_batch_of(self, loader: DataLoader, world: int) -> int:
-        """The samples per step over all ranks, or why this loader's batches cannot be split by index."""
-        dataset = loader.dataset
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise TypeError(
-                f"AdaptiveBatchSize needs a map-style dataset with __len__ to split each global batch by index; "
-                f"{type(dataset).__name__} is iterable. Use a map-style dataset, or drop AdaptiveBatchSize (an "
-                "iterable dataset decides batch composition itself)"
-            )
-        if self.global_batch is not None:
-            return self.global_batch
-        if loader.batch_size is not None:
-            return loader.batch_size * world
-        raise ValueError(
-            "the training DataLoader has a custom batch_sampler, so its batch size is unknown; pass "
-            "AdaptiveBatchSize(global_batch=...) with the samples per step over all ranks"
-        )
-
     def _order_of(self, sampler: object) -> tuple[bool, int]:
         # The replaced sampler says whether the epoch is shuffled and with which seed.
         return sampling_order(sampler, "AdaptiveBatchSize", self.seed)
-
-    def _initial_sizes(self, balancer: BatchBalancer) -> list[int]:
-        restored = self._restored
-        if restored is not None:
-            sizes = restored.get("sizes")
-            if restored.get("global_batch") == balancer.global_batch and sizes and len(sizes) == balancer.world_size:
-                return balancer.check(sizes)
-            rank_zero_warn(
-                f"AdaptiveBatchSize: the checkpoint's split {sizes} (global batch {restored.get('global_batch')}) "
-                f"does not fit this run ({balancer.world_size} ranks, global batch {balancer.global_batch}); "
-                "starting from an even split"
-            )
-        if self.sizes is not None:
-            return balancer.check(self.sizes)
-        return balancer.even_split()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -349,8 +299,7 @@ class AdaptiveBatchSize(Callback):
         self._last_seen = None
         self._samples = 0.0
         self._per_sample = []
-        self._streak = None
-        self._throughput = None
+        self._policy = RebalancePolicy(self.smoothing, self.persistence)
         self._pending = None
 
     def _check_grow_batch(self, trainer: pl.Trainer) -> None:
@@ -360,7 +309,7 @@ class AdaptiveBatchSize(Callback):
         # `sync_stats` and `topology`), not from its class: callbacks do not import strategies.
         recorder = getattr(trainer.strategy, "sync_stats", None)
         asynchronous = isinstance(recorder, StatsRecorder) and recorder.mode == "async"
-        if asynchronous or _node_groups(trainer.strategy) is not None:
+        if asynchronous or node_groups(trainer.strategy) is not None:
             raise ValueError(
                 f"grow_batch needs a flat gradient all-reduce every step (ddp); {type(trainer.strategy).__name__} "
                 "averages across nodes in the background. Set grow_batch=False or use strategy='ddp'"
@@ -456,7 +405,7 @@ class AdaptiveBatchSize(Callback):
             return
         rows = gather_rows(trainer, values)
         measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in rows]
-        throughput = self._smoothed(measured)
+        throughput = self._policy.smoothed(measured)
         current = self.sampler.sizes
         decision: list[int] | None = None
         grown = False
@@ -465,14 +414,16 @@ class AdaptiveBatchSize(Callback):
                 pairs = sum(r[5] for r in rows)
                 if pairs > 0:
                     self.noise.update(sum(r[3] for r in rows) / pairs, sum(r[4] for r in rows) / pairs)
-                new_batch = self._grown_batch()
+                new_batch = grown_batch(self.noise, self.balancer, self._max_batch_total)
                 if new_batch is not None and all(t > 0 for t in throughput):
                     self.balancer = self._balancer_for(new_batch)
                     decision, grown = self.balancer.propose(throughput), True
             if decision is None:
-                decision = self._persistent(current, measured, throughput)
+                decision = self._policy.decide(self.balancer, current, measured, throughput)
         # One decision for everyone: floating-point differences between ranks can never split the job.
-        decision, grown, gain = self._broadcast_decision(trainer, pl_module, decision, grown)
+        decision, grown, gain = broadcast_decision(
+            decision, grown, self._gain(), self.noise, trainer.world_size, pl_module.device, trainer.is_global_zero
+        )
         if probe is not None:
             probe.gain = gain
         if decision is None:
@@ -498,42 +449,11 @@ class AdaptiveBatchSize(Callback):
         if earlier is None:
             return  # the first window without a gather to wait at: decide at the next one
         measured = [r[0] / r[1] if r[1] > 0 else 0.0 for r in earlier]
-        throughput = self._smoothed(measured)
+        throughput = self._policy.smoothed(measured)
         current = self.sampler.sizes
-        decision = self._persistent(current, measured, throughput)
+        decision = self._policy.decide(self.balancer, current, measured, throughput)
         if decision is not None:
             self._schedule(trainer, current, decision, throughput, int(max(r[-1] for r in earlier)), False)
-
-    def _persistent(self, current: list[int], measured: list[float], smoothed: list[float]) -> list[int] | None:
-        """The split the smoothed throughput calls for, once the raw measurements of ``persistence`` windows in a row
-        have each called for the same move (which ranks gain samples, which lose them), else ``None``. Each window's
-        own numbers, not the smoothed ones: smoothing carries one noisy window into the next, and two windows would
-        then agree on its noise. Pure arithmetic on the gathered numbers: every rank that decides keeps the same
-        streak."""
-        assert self.balancer is not None
-        raw = self.balancer.decide(current, measured)
-        move = None if raw is None else tuple((b > a) - (b < a) for a, b in zip(current, raw, strict=True))
-        if move is None or self._streak is None or self._streak[0] != move:
-            self._streak = None if move is None else (move, 1)
-        else:
-            self._streak = (move, self._streak[1] + 1)
-        if self._streak is None or self._streak[1] < self.persistence:
-            return None
-        proposal = self.balancer.decide(current, smoothed)
-        if proposal is None:
-            return None
-        self._streak = None  # the split moves: the next move is measured from it
-        return proposal
-
-    def _smoothed(self, measured: list[float]) -> list[float]:
-        previous = self._throughput
-        if previous is None or any(p <= 0 for p in previous) or any(m <= 0 for m in measured):
-            throughput = measured
-        else:
-            a = self.smoothing
-            throughput = [a * p + (1 - a) * m for p, m in zip(previous, measured, strict=True)]
-        self._throughput = throughput
-        return throughput
 
     def _schedule(
         self,
@@ -569,49 +489,6 @@ class AdaptiveBatchSize(Callback):
         if self._monitor is not None:
             self._monitor.record_event(kind, trainer.global_step, **event)
         log.info("rank %d: rebalanced %s -> %s (throughput %s)", trainer.global_rank, current, decision, throughput)
-
-    def _broadcast_decision(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: list[int] | None, grown: bool
-    ) -> tuple[list[int] | None, bool, float]:
-        """Rank 0's decision, gain and noise-scale state on every rank, as one tensor (no pickled objects).
-
-        Layout: ``[has_decision, grown, gain, |G|^2, S, updates, b_0 .. b_{N-1}]`` in float64 (exact for these
-        integers); a missing noise estimate travels as NaN.
-        """
-        world = trainer.world_size
-        buf = torch.zeros(6 + world, dtype=torch.float64, device=pl_module.device)
-        if trainer.is_global_zero:
-            noise = self.noise
-            nan = float("nan")
-            head = [float(decision is not None), float(grown), self._gain(),
-                    nan if noise.grad_sq is None else noise.grad_sq, nan if noise.trace is None else noise.trace,
-                    float(noise.updates)]  # fmt: skip
-            values = head + [float(b) for b in (decision or [0] * world)]
-            buf.copy_(torch.tensor(values, dtype=torch.float64, device="cpu"))
-        broadcast_(buf, 0)
-        values = buf.cpu().tolist()
-        grad_sq, trace = values[3], values[4]
-        self.noise.load_state_dict(
-            {
-                "grad_sq": None if math.isnan(grad_sq) else grad_sq,
-                "trace": None if math.isnan(trace) else trace,
-                "updates": int(values[5]),
-            }
-        )
-        sizes = [int(v) for v in values[6:]] if values[0] else None
-        return sizes, bool(values[1]), values[2]
-
-    def _grown_batch(self) -> int | None:
-        """The global batch to grow to (rank 0), or ``None``: toward the noise scale, at most 2x, by >= 25%."""
-        assert self.balancer is not None
-        noise = self.noise.noise_scale
-        current = self.balancer.global_batch
-        if noise is None or self.noise.updates < 3:
-            return None  # too few windows for a trustworthy estimate
-        cap = min(self._max_batch_total, sum(self.balancer.max_batch))
-        target = min(int(noise), 2 * current, cap)
-        target -= target % self.balancer.world_size  # keeps the split as even as it can be
-        return target if target >= 1.25 * current else None
 
     def _balancer_for(self, global_batch: int) -> BatchBalancer:
         """The current balancer's ranks, bounds and groups, for a new global batch."""
@@ -663,9 +540,3 @@ class AdaptiveBatchSize(Callback):
         self.decisions = list(state_dict.get("decisions", []))
         if state_dict.get("noise"):
             self.noise.load_state_dict(state_dict["noise"])
-
-
-def _node_groups(strategy: object) -> list[list[int]] | None:
-    """The ranks of each node when the strategy averages across nodes on its own (``hier_sync``), else ``None``."""
-    topology = getattr(strategy, "topology", None)
-    return topology.all_nodes() if isinstance(topology, Topology) and topology.num_nodes > 1 else None
