@@ -19,7 +19,7 @@ import pytest
 from lightning_syncasync.emulate.cluster import free_port
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at INFO
-torchft = pytest.importorskip("torchft", reason='torchft is an optional extra: pip install "lightning-syncasync[ft]"')
+torchft = pytest.importorskip("torchft", reason='torchft is an optional extra: pip install -e ".[ft]"')
 
 JOB = Path(__file__).resolve().parents[2] / "_elastic_job.py"
 
