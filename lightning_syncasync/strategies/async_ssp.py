@@ -222,6 +222,15 @@ class AsyncSSPStrategy(
         self._step_open = False
         self._length_report: RoundLengthReport | None = None
 
+    @override
+    def consistent_settings(self) -> dict[str, Any]:
+        # batches= as it was decided from it or from the old keywords (claim_batches/adaptive_batch), which must
+        # agree across ranks too: a rank claiming batches while another rebalances would hang at the first epoch end.
+        return {
+            **super().consistent_settings(),
+            "batches": f"claim={self.claim_batches}, rebalance={self.adaptive_batch}",
+        }
+
     @property
     def round_mode(self) -> bool:
         """Whether training runs in rounds (``local_steps`` unset or > 1) rather than per-step gradient exchange."""

@@ -18,7 +18,7 @@ Two registered names, one class, because they differ in one setting and both run
 
 Names rather than a ``fault_tolerant=True`` setting on ``hier_sync``/``async_ssp``: the layout differs (here
 Lightning's world is one node, and the nodes meet through the Lighthouse; there one world spans every node), so
-settings of one (``node_size``, ``claim_batches``, ``min_replicas``, the Lighthouse's address) would be
+settings of one (``node_size``, ``batches``, ``min_replicas``, the Lighthouse's address) would be
 meaningless in the other, and the launch differs (one job per node, see ``docs/fault_tolerance.md``).
 
 Data: each node reads its own shard of the training set (``REPLICA_GROUP_ID`` of ``NUM_REPLICA_GROUPS``, as

@@ -155,3 +155,4 @@ def test_the_options_are_checked_to_agree_across_ranks():
     settings = AsyncSSPStrategy(local_steps=4, outer="nesterov").consistent_settings()
     assert settings["local_steps"] == 4 and settings["options.outer"] == "nesterov"
     assert settings["options.peer_timeout_s"] == 60.0
+    assert settings["batches"] != AsyncSSPStrategy(batches="claim").consistent_settings()["batches"]
