@@ -35,6 +35,11 @@ Quantised values with different scales cannot be summed by an all-reduce. The ch
   handful of nodes compression then costs more than it saves (the cost model's simulation). Kept as the reference
   and for comparisons.
 
+* ``"summable"`` (``int8``, ``int4``, ``int2``): codes that share one scale per chunk, summed by the all-reduce
+  itself (THC, Li et al. 2023; ``summable.py``): a small ``MAX`` all-reduce agrees the chunks' scales, a ``SUM``
+  all-reduce adds the codes, packed with headroom for the sum of ``world`` codes; bitwise the same mean everywhere,
+  one residual per rank. The headroom grows with log2 of the ranks: ``int2`` hands the all-reduce 2.4 bits an
+  element on 2 ranks, 3.4 on 4, 4.3 on 8, against its payload's 2.1 (``summable.py``).
 * ``"auto"`` (the default): ``allgather`` on a group of 2 ranks, where both layouts move the same bytes (each rank
   sends one compressed tensor) and all-gather quantises once instead of twice; ``two_phase`` from 3 ranks up.
 
@@ -68,8 +73,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_syncasync.algorithms._comm import all_gather_flat, all_reduce_, all_to_all_flat
-from lightning_syncasync.algorithms.compression._codec import CHECKED_CALLS, CODECS, Codec, Kernels
+from lightning_syncasync.algorithms.compression._codec import CHECKED_CALLS, CODECS, LEVELS, Codec, Kernels
 from lightning_syncasync.algorithms.compression._powersgd import _PowerSGD
+from lightning_syncasync.algorithms.compression.summable import check_groups, summed_over
 from lightning_syncasync.algorithms.streams import wait_for_device
 
 Method = Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sign", "powersgd"]
@@ -77,8 +83,10 @@ METHODS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "int2", "sig
 # Methods whose payloads are chunk-scaled codes (not summable by an all-reduce): they use `collective`.
 CHUNKED: tuple[str, ...] = ("int8", "int4", "int2", "sign")
 Rounding = Literal["nearest", "stochastic"]
-Collective = Literal["auto", "two_phase", "allgather"]
-COLLECTIVES: tuple[str, ...] = ("auto", "two_phase", "allgather")
+Collective = Literal["auto", "two_phase", "allgather", "summable"]
+COLLECTIVES: tuple[str, ...] = ("auto", "two_phase", "allgather", "summable")
+# The chunked codecs whose integer codes an all-reduce can add (collective="summable").
+SUMMABLE_METHODS: tuple[str, ...] = ("int8", "int4", "int2")
 # Backends known to implement all_to_all_single (the two-phase layout's first phase).
 ALL_TO_ALL_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi")
 
@@ -112,7 +120,9 @@ class Compressor(_PowerSGD):
         rounding: ``int8``/``int4``/``int2`` rounding, ``"nearest"`` or ``"stochastic"`` (unbiased).
         collective: how the chunked methods (``int8``, ``int4``, ``int2``, ``sign``) travel: ``"two_phase"``
             (per-rank traffic independent of the number of ranks), ``"allgather"`` (every rank receives every other
-            rank's payload) or ``"auto"`` (all-gather on 2 ranks, two-phase from 3); module docstring.
+            rank's payload), ``"summable"`` (``int8``/``int4``/``int2`` only: shared-scale codes summed by one
+            all-reduce, bitwise the same on every rank) or ``"auto"`` (all-gather on 2 ranks, two-phase from 3);
+            module docstring.
         rank: ``powersgd`` rank.
         matrix_cols: ``powersgd`` only: columns of the matrix a tensor without shapes is viewed as.
         seed: seeds stochastic rounding (give each rank its own) and, with ``factor_seed``, nothing else.
@@ -157,6 +167,12 @@ class Compressor(_PowerSGD):
                 f"collective must be one of {COLLECTIVES}, got {collective!r}; HINT: 'auto' (the default) keeps each "
                 "rank's traffic independent of the number of ranks"
             )
+        if collective == "summable" and method not in SUMMABLE_METHODS:
+            raise ValueError(
+                f"collective='summable' needs integer codes an all-reduce can add ({', '.join(SUMMABLE_METHODS)}), "
+                f"got compression={method!r}; HINT: compression='int4' or 'int2' with collective='summable', or "
+                "collective='auto' for the other methods"
+            )
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(
                 f"rounding must be 'nearest' or 'stochastic', got {rounding!r}; HINT: 'stochastic' is unbiased, "
@@ -194,12 +210,14 @@ class Compressor(_PowerSGD):
 
     def check_backend(self, group: dist.ProcessGroup | None = None) -> None:
         """Raise a ``ValueError`` with the fix when ``group``'s backend lacks a collective this method needs (the
-        two-phase layout's ``all_to_all``). Strategies call it at setup, before the first exchange."""
-        if (
-            not dist.is_available()
-            or not dist.is_initialized()
-            or self.layout(dist.get_world_size(group)) != "two_phase"
-        ):
+        two-phase layout's ``all_to_all``), or when the summable layout's sums would overflow a word on ``group``'s
+        ranks. Strategies call it at setup, before the first exchange."""
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        layout = self.layout(dist.get_world_size(group))
+        if layout == "summable":
+            check_groups(int(LEVELS[self.method]), dist.get_world_size(group))
+        if layout != "two_phase":
             return
         backend = str(dist.get_backend(group))
         names = [part.rpartition(":")[2] for part in backend.split(",")]
@@ -271,8 +289,8 @@ class Compressor(_PowerSGD):
         return (t1 - t0) / reps, (time.perf_counter() - t1) / reps
 
     def layout(self, world: int) -> str | None:
-        """The layout an exchange over ``world`` ranks uses: ``"two_phase"`` or ``"allgather"`` for the chunked
-        methods, ``None`` for the others (they all-reduce)."""
+        """The layout an exchange over ``world`` ranks uses: ``"two_phase"``, ``"allgather"`` or ``"summable"`` for
+        the chunked methods, ``None`` for the others (they all-reduce)."""
         if self.method not in CHUNKED:
             return None
         if self.collective == "auto":
@@ -340,6 +358,8 @@ class Compressor(_PowerSGD):
         if self.method in CHUNKED:
             if self.layout(world) == "two_phase":
                 return self._two_phase(flat, residual, feedback, group, str(key), world)
+            if self.layout(world) == "summable":
+                return self._summable(flat if residual is None else flat + residual, feedback, group, world)
             numel = flat.numel()
             row_len = -(-numel // self.chunk_size) * self.chunk_size
             payload, kept = self._encode_rows(flat, residual, feedback, 1, row_len)
@@ -352,6 +372,17 @@ class Compressor(_PowerSGD):
             flat = flat + residual
         mean, own, nbytes = self._exchange_summable(flat, group, key, shapes, world)
         return mean, (flat - own if feedback else own), nbytes
+
+    def _summable(
+        self, x: torch.Tensor, feedback: bool, group: dist.ProcessGroup | None, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Shared-scale codes summed by two all-reduces (``summable.py``), decoded to the mean."""
+        noise = None
+        if self.rounding == "stochastic":  # each rank its own draws: the sum is of integers
+            noise = self._rand(torch.Size([-(-x.numel() // self.chunk_size), self.chunk_size]), 0, x.device)
+        total, own, handed = summed_over(x, int(LEVELS[self.method]), self.chunk_size, group, noise)
+        self.last_wire = (sent := sum(_wire("all_reduce", b, world)[0] for b in handed), sent)
+        return total / world, (x - own if feedback else own), sum(handed)
 
     def _exchange_summable(
         self, flat: torch.Tensor, group: dist.ProcessGroup | None, key: str, shapes: list[torch.Size] | None, world: int

@@ -18,10 +18,10 @@ def _identical_groups(groups: int):
     return all_reduce
 
 
-@pytest.mark.parametrize("method", sorted(LEVELS))
-@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8, 64])
+@pytest.mark.parametrize("method", [*sorted(LEVELS), "int2"])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8, 64, 512])
 def test_the_packed_sum_decodes_to_the_groups_sum_within_half_a_step_each(method, groups):
-    levels = LEVELS[method]
+    levels = {**LEVELS, "int2": 1}[method]
     x = torch.randn(3001, generator=torch.Generator().manual_seed(groups))
     x[::256] = x.abs().max()  # a chunk's largest code in every field: the sum's headroom is used to the full
     x[1::256] = -x.abs().max()
@@ -31,8 +31,12 @@ def test_the_packed_sum_decodes_to_the_groups_sum_within_half_a_step_each(method
     assert torch.allclose(total, groups * own, atol=1e-4)  # no carry crossed into a neighbouring field
 
 
-@pytest.mark.parametrize(("method", "groups", "most"), [("int8", 2, 0.30), ("int4", 2, 0.18), ("int8", 4, 0.34)])
+@pytest.mark.parametrize(
+    ("method", "groups", "most"),
+    [("int8", 2, 0.30), ("int4", 2, 0.18), ("int8", 4, 0.34), ("int4", 4, 0.21), ("int2", 2, 0.08), ("int2", 4, 0.11)],
+)
 def test_bytes_on_the_wire_against_fp32(method, groups, most):
     x = torch.randn(100_000)
-    _, _, nbytes = compress_summable(x, LEVELS[method], 256, groups, _identical_groups(groups))
+    levels = {**LEVELS, "int2": 1}[method]  # int2 (ternary) through the Compressor's summable collective
+    _, _, nbytes = compress_summable(x, levels, 256, groups, _identical_groups(groups))
     assert nbytes <= most * x.numel() * 4, nbytes / (x.numel() * 4)
