@@ -86,6 +86,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="exchanges per job (default 5)")
     parser.add_argument("--methods", default="none,int8,sign,int4", help="comma-separated Compressor methods")
     parser.add_argument("--shapes", default="2x1,2x2,2x4,4x1,4x2", help="NODESxRANKS_PER_NODE, comma-separated")
+    parser.add_argument("--layouts", default=None, help="only these chunked layouts (two_phase,allgather,summable)")
     parser.add_argument("--out", default="collective_bytes.json", help="where the rows go (JSON)")
     parser.add_argument("--table", default=None, metavar="JSON", help="print the Markdown table of a results file")
     args = parser.parse_args()
@@ -105,7 +106,8 @@ def main() -> int:
         idle = measure(nodes, per_node, "idle", "auto", args.steps)
         for method in args.methods.split(","):
             layouts = ["two_phase", "allgather"] if method in ("int8", "sign", "int4", "int2") else ["auto"]
-            for collective in layouts:
+            layouts += ["summable"] if method in ("int8", "int4", "int2") else []
+            for collective in [c for c in layouts if args.layouts is None or c in args.layouts.split(",")]:
                 got = measure(nodes, per_node, method, collective, args.steps)
                 row = {
                     "nodes": nodes, "ranks_per_node": per_node, "ranks": nodes * per_node, "method": method,

@@ -19,9 +19,27 @@ COMPRESSION: dict[str, tuple[float, str]] = {
     "sign": (0.035, "two_phase"),
     "powersgd": (0.03, "all_reduce"),
 }
+# The codes ``Compressor(collective="summable")`` adds in one all-reduce: (levels each side of zero, payload bits).
+SUMMABLE_CODES: dict[str, tuple[int, int]] = {"int8": (127, 8), "int4": (7, 4), "int2": (1, 2)}
 # DDP's default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): one collective per bucket.
 # (Compressed DDP uses 2 MB buckets; their collectives overlap with backward, which `overlap` stands for.)
 _BUCKET_BYTES = 25 * 2**20
+
+
+def summable_ratio(method: str, k: int, chunk: int = 256) -> float:
+    """Bytes the summable collective hands its two all-reduces over ``k`` ranks, relative to fp32: one fp32 scale a
+    chunk, and the codes as digits of radix ``2 k levels + 1``, as many to a 64-bit word as ``radix ** per <= 2 ** 63``
+    (``compression/summable.py``'s ``packing``, which this model cannot import: it needs no torch)."""
+    radix = 2 * k * SUMMABLE_CODES[method][0] + 1
+    per, power = 0, radix
+    while power <= 1 << 63:
+        per, power = per + 1, power * radix
+    return (64 / per + 32 / chunk) / 32
+
+
+def summable_headroom(method: str, k: int) -> float:
+    """The summable collective's bytes over the payload's (``COMPRESSION``'s ratio): the sum's headroom."""
+    return summable_ratio(method, k) / COMPRESSION[method][0]
 
 
 class _Collectives:
@@ -56,17 +74,23 @@ class _Collectives:
 
     @staticmethod
     def _kind(compression: str, k: int) -> str:
-        """How the payload travels over ``k`` ranks: ``all_reduce``, ``two_phase`` or ``all_gather``
+        """How the payload travels over ``k`` ranks: ``all_reduce``, ``two_phase``, ``all_gather`` or ``summable``
         (``int8@allgather``: the chunked code in the all-gather layout; predict() names it so from the ``collective``
-        setting). As ``Compressor``'s ``collective="auto"``, two ranks all-gather (the same bytes, one encoding)."""
+        setting; ``int4@summable``: the summable collective). As ``Compressor``'s ``collective="auto"``, two ranks
+        all-gather (the same bytes, one encoding)."""
         method, _, layout = compression.partition("@")
         kind = COMPRESSION[method][1]
+        if layout == "summable" and method in SUMMABLE_CODES:
+            return "summable"
         return "all_gather" if kind == "two_phase" and (layout == "allgather" or k <= 2) else kind
 
     def _collective(self, k: int, nbytes: float, link: tuple[float, float], compression: str, ratio: float) -> float:
         kind = self._kind(compression, k)
         if kind == "all_gather":
             return self.ring_all_gather_s(k, ratio * nbytes, link)
+        if kind == "summable":  # the scales' all-reduce (its bytes in the ratio), then the packed codes'
+            headroom = summable_headroom(compression.partition("@")[0], k)
+            return self.ring_all_reduce_s(k, headroom * ratio * nbytes, link) + 2 * (k - 1) * link[0]
         # Two-phase: an all-to-all of shards ((k-1)/k of the payload) then an all-gather of the averaged shards
         # (k-1 shards of 1/k), with k-1 latencies each: exactly a ring all-reduce of the payload.
         return self.ring_all_reduce_s(k, ratio * nbytes, link)
@@ -76,6 +100,8 @@ class _Collectives:
         kind = self._kind(compression, k)
         if kind == "two_phase":
             return 2 * (k - 1) / k * payload
+        if kind == "summable":
+            return 2 * (k - 1) / k * payload * summable_headroom(compression.partition("@")[0], k)
         return (2 if kind == "all_reduce" else 1) * payload * (k - 1)
 
     def _codec_s(self, k: int, nbytes: float, compression: str) -> float:

@@ -40,3 +40,22 @@ def test_bytes_on_the_wire_against_fp32(method, groups, most):
     levels = {**LEVELS, "int2": 1}[method]  # int2 (ternary) through the Compressor's summable collective
     _, _, nbytes = compress_summable(x, levels, 256, groups, _identical_groups(groups))
     assert nbytes <= most * x.numel() * 4, nbytes / (x.numel() * 4)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("groups", [2, 4, 8, 64, 512])
+def test_the_cost_models_summable_bytes_are_those_handed_to_the_all_reduces(method, groups):
+    # _costmodel_links cannot import summable.py (no torch there): its copy of the packing must agree.
+    from lightning_syncasync.algorithms._costmodel_links import SUMMABLE_CODES, _Collectives, summable_ratio
+
+    x = torch.randn(256 * 400)
+    _, _, nbytes = compress_summable(x, SUMMABLE_CODES[method][0], 256, groups, _identical_groups(groups))
+    assert summable_ratio(method, groups) == pytest.approx(nbytes / (x.numel() * 4), rel=1e-3)  # last word part-full
+    sent = _Collectives()._sent(groups, 1.0, f"{method}@summable")  # bytes per payload byte
+    assert sent == pytest.approx(2 * (groups - 1) / groups * summable_ratio(method, groups) / _ratio(method))
+
+
+def _ratio(method: str) -> float:
+    from lightning_syncasync.algorithms._costmodel_links import COMPRESSION
+
+    return COMPRESSION[method][0]
