@@ -37,6 +37,7 @@ from lightning_syncasync.advise.__main__ import main as advise_main
 from lightning_syncasync.algorithms.averaging.ft_host import advertised_host, choose_host
 from lightning_syncasync.algorithms.batching.balancer import BatchBalancer
 from lightning_syncasync.algorithms.compression.compressor import Compressor
+from lightning_syncasync.algorithms.compression.summable import check_groups
 from lightning_syncasync.algorithms.costmodel import ScalingModel
 from lightning_syncasync.algorithms.ssp.claim_sampler import ClaimingBatchSampler
 from lightning_syncasync.algorithms.ssp.compensation import StaleGradientCompensation
@@ -520,6 +521,16 @@ CASES: list[Case] = [
          "AsyncSSPStrategy(compression='int8', compression_options={'collective': 'ring'})",
          lambda: AsyncSSPStrategy(compression="int8", compression_options={"collective": "ring"}), ValueError,
          r"collective must be one of", r"HINT: 'auto' \(the default\)"),
+    Case("compressor-summable-method", "algorithm Compressor",
+         "HierSyncStrategy(compression='sign', compression_options={'collective': 'summable'})",
+         lambda: HierSyncStrategy(compression="sign", compression_options={"collective": "summable"}), ValueError,
+         r"collective='summable' needs integer codes an all-reduce can add \(int8, int4, int2\), got "
+         r"compression='sign'", r"HINT: compression='int4' or 'int2' with collective='summable'"),
+    Case("compressor-summable-world", "algorithm Compressor",
+         "Compressor('int2', collective='summable') on 2**62 ranks (summable.check_groups(1, 2**62))",
+         lambda: check_groups(1, 2**62), ValueError,
+         r"collective='summable' takes at most \d+ ranks at 1 levels, got \d+: .* more than a 64-bit word holds",
+         r"HINT: collective='two_phase'"),
     Case("compressor-codec", "algorithm Compressor",
          "HierSyncStrategy(compression='int8', compression_options={'codec': 'fused'})",
          lambda: HierSyncStrategy(compression="int8", compression_options={"codec": "fused"}), ValueError,

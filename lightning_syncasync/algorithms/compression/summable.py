@@ -51,9 +51,9 @@ def check_groups(levels: int, groups: int) -> None:
     sets how many scales travel, never how large a sum grows."""
     if packing(levels, groups)[1] < 1:
         raise ValueError(
-            f"collective='summable' on {groups} ranks at {levels} levels needs sums up to {2 * groups * levels}, more "
-            f"than a 64-bit word holds: at most {max_groups(levels)} ranks at {levels} levels; HINT: "
-            "collective='two_phase' (its traffic per rank does not grow with the ranks)"
+            f"collective='summable' takes at most {max_groups(levels)} ranks at {levels} levels, got {groups}: their "
+            f"codes sum up to {2 * groups * levels}, more than a 64-bit word holds; HINT: collective='two_phase' (its "
+            "traffic per rank does not grow with the ranks)"
         )
 
 
