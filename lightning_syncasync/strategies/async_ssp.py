@@ -138,7 +138,7 @@ class AsyncSSPStrategy(
             rank. Default 0: 20 warm-up steps with these rounds learned no more per sample on
             ``mid_run_straggler_long`` (1.18x DDP's samples; docs/strategies.md, async_ssp's settings).
         compression: of the exchange (pseudo-gradients or gradients): ``none``, ``fp16``, ``bf16``, ``int8``,
-            ``int4``, ``sign``, ``powersgd``, with error feedback.
+            ``int4``, ``int2``, ``sign``, ``powersgd``, with error feedback.
         options: the expert settings (:class:`~lightning_syncasync.strategies.options.AsyncSSPOptions`: the outer
             optimizer, wall-clock or fixed-step rounds, per-step compensation and pacing, timeouts), an instance or
             a dict; each also works as a keyword.

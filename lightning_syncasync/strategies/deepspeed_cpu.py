@@ -220,7 +220,7 @@ def check_config(config: dict[str, Any]) -> None:
     if "compression_training" in config:
         raise ValueError(
             "compression_training was removed from DeepSpeed (0.19 has no compression library). Use this project's "
-            "compression= option (fp16, bf16, int8, int4, sign, powersgd with error feedback) on ddp_measured, "
+            "compression= option (fp16, bf16, int8, int4, int2, sign, powersgd with error feedback) on ddp_measured, "
             "hier_sync or async_ssp"
         )
     stage = (config.get("zero_optimization") or {}).get("stage", 0)

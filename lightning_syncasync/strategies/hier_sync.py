@@ -71,8 +71,8 @@ class HierSyncStrategy(
         virtual_nodes: split each node's ranks into this many virtual nodes instead of giving ``node_size``
             (``virtual_nodes=2`` on one machine of 4 processes: 2 nodes of 2). The registered name
             ``hier_sync_virtual`` sets it to 2, so the string form reaches virtual nodes too.
-        compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign`` or
-            ``powersgd`` (with error feedback; see ``algorithms/compression/compressor.py``).
+        compression: compression of the inter-node hop: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``,
+            ``sign`` or ``powersgd`` (with error feedback; see ``algorithms/compression/compressor.py``).
         warmup_steps: steps of flat DDP (gradients all-reduced over every rank) before hierarchical averaging starts,
             as in post-local SGD (Lin et al., 2020): the first steps decide where training goes and are the ones
             local progress hurts most. Default 0: on the full slow_link benchmark 3 and 6 warm-up steps did not

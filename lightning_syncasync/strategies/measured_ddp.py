@@ -21,10 +21,11 @@ Modes (``local_sgd``):
 In both local SGD modes the parameters of all ranks are averaged once more when training ends, before any
 ``on_train_end`` hook, so that fit leaves one model on every rank (Lightning's recipe leaves each rank its own).
 
-``compression`` (``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``, ``powersgd``) replaces the flat all-reduce with the
-compressed one of :class:`~lightning_syncasync.algorithms.compression.CompressedAllReduce` (error feedback per
-parameter, bytes measured from the payload). When the ranks span several nodes with several ranks each, it is
-hierarchical: full precision inside the node, only the inter-node hop compressed (``powersgd`` stays flat).
+``compression`` (``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``sign``, ``powersgd``) replaces the flat
+all-reduce with the compressed one of :class:`~lightning_syncasync.algorithms.compression.CompressedAllReduce`
+(error feedback per parameter, bytes measured from the payload). When the ranks span several nodes with several
+ranks each, it is hierarchical: full precision inside the node, only the inter-node hop compressed (``powersgd``
+stays flat).
 Its residuals and PowerSGD factors are saved in checkpoints, every rank's own (they differ per rank), so a resumed
 run continues the same trajectory.
 """
@@ -91,8 +92,8 @@ class MeasuredDDPStrategy(WatchedStrategy, MergesBeforeUserHooks, UnwrappedAtOne
         warmup_steps: steps of plain DDP before local SGD starts.
         node_size: ranks per node; default from the cluster (``world_size // num_nodes``). A smaller value forms
             virtual nodes so that one machine can exercise the hierarchy.
-        compression: compress the gradient all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``,
-            ``powersgd`` (``local_sgd=None`` only).
+        compression: compress the gradient all-reduce: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``,
+            ``sign``, ``powersgd`` (``local_sgd=None`` only).
         compression_options: extra ``Compressor`` arguments (``chunk_size``, ``rounding``, ``rank``,
             ``collective``: ``"auto"`` two-phase from 3 ranks, all-gather on 2, ...).
             With compression (but powersgd), DDP's ``bucket_cap_mb`` defaults to ``COMPRESSED_BUCKET_MB`` (2), not 25.
