@@ -162,6 +162,9 @@ def test_a_short_link_cut_is_survived(tmp_path):
     assert not any("PeerLostError" in log for log in logs)
 
 
+# 22 s; -m slow since issue 67's suite ran at 900 s on 2 cores. A short cut survived and a lost rank named by the
+# peer timeout (killed and hung workers, above and below) stay in the default run.
+@pytest.mark.slow
 @needs_root
 @pytest.mark.netns
 @pytest.mark.timeout(200)

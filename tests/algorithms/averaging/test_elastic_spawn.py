@@ -138,6 +138,9 @@ def test_a_killed_group_leaves_and_the_survivors_count_every_step_once(tmp_path,
     assert a == b  # bitwise the same model after the final cut
 
 
+# 27-29 s; -m slow since issue 67's suite ran at 900 s on 2 cores. A kill and a heal from a live node stay in the
+# default run end to end (tests/faults/test_ft_launch.py: the restarted node joins and both end with the same model).
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_restarted_group_heals_bitwise_from_a_live_peer(tmp_path, lighthouse):
     # Two groups of two ranks, Nesterov outer steps (momentum to heal); group 1 dies at step 12 and starts again,
