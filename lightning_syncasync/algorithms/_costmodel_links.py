@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from lightning_syncasync.algorithms.compression.summable import packing
+
 # Bytes on the wire relative to fp32, and the collective the payload travels by (README's compression table;
 # powersgd depends on the shapes: 2.6% on the transformer LM at rank 4).
 COMPRESSION: dict[str, tuple[float, str]] = {
@@ -28,12 +30,9 @@ _BUCKET_BYTES = 25 * 2**20
 
 def summable_ratio(method: str, k: int, chunk: int = 256) -> float:
     """Bytes the summable collective hands its two all-reduces over ``k`` ranks, relative to fp32: one fp32 scale a
-    chunk, and the codes as digits of radix ``2 k levels + 1``, as many to a 64-bit word as ``radix ** per <= 2 ** 63``
-    (``compression/summable.py``'s ``packing``, which this model cannot import: it needs no torch)."""
-    radix = 2 * k * SUMMABLE_CODES[method][0] + 1
-    per, power = 0, radix
-    while power <= 1 << 63:
-        per, power = per + 1, power * radix
+    chunk, and the codes as digits of radix ``2 k levels + 1``, as many to a 64-bit word as
+    :func:`~lightning_syncasync.algorithms.compression.summable.packing` puts there."""
+    per = packing(SUMMABLE_CODES[method][0], k)[1]
     return (64 / per + 32 / chunk) / 32
 
 

@@ -45,7 +45,7 @@ def test_bytes_on_the_wire_against_fp32(method, groups, most):
 @pytest.mark.parametrize("method", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("groups", [2, 4, 8, 64, 512])
 def test_the_cost_models_summable_bytes_are_those_handed_to_the_all_reduces(method, groups):
-    # _costmodel_links cannot import summable.py (no torch there): its copy of the packing must agree.
+    # The cost model's bytes (summable.py's packing, plus the scales) are those the collective hands its all-reduces.
     from lightning_syncasync.algorithms._costmodel_links import SUMMABLE_CODES, _Collectives, summable_ratio
 
     x = torch.randn(256 * 400)
