@@ -64,19 +64,32 @@ def check_kwargs(cls: type, kwargs: dict[str, Any], wraps_ddp: bool) -> None:
     """Extra keywords must be Lightning ``DDPStrategy`` settings, or torch DDP settings when the strategy wraps the
     model in DDP: a misspelt setting (``stalenes=3``) fails here instead of being ignored or failing in every
     process at setup."""
-    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
-    own += option_names(cls)  # an options object's fields work as keywords too
     allowed = _LIGHTNING_DDP + (_TORCH_DDP if wraps_ddp else [])
     for key, value in kwargs.items():
         if key in allowed:
             continue
         if key in _DDP_PARAMS and value == _DDP_PARAMS[key].default:
             continue  # the Lightning CLI spells out every DDP argument at its default: harmless
-        close = difflib.get_close_matches(key, own + allowed, n=1)
-        hint = f"did you mean {close[0]}?" if close else f"its settings are {own}"
         extra = "" if wraps_ddp or key not in _TORCH_DDP else " (it does not wrap the model in torch DDP)"
-        name = getattr(cls, "strategy_name", cls.__name__)
-        raise ValueError(f"{key} is not a setting of {name}{extra}; HINT: {hint}")
+        _refuse(cls, key, allowed, extra)
+
+
+def check_no_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
+    """For a strategy whose ``**kwargs`` carry only its options' fields by their old names (``resolve_options`` has
+    taken those out): anything left is a typo."""
+    for key in kwargs:
+        _refuse(cls, key)
+
+
+def _refuse(cls: type, key: str, allowed: list[str] | None = None, extra: str = "") -> None:
+    """``key`` is no setting of ``cls``: its own settings and its options' fields (which work as keywords too),
+    ``allowed`` besides; the closest one named."""
+    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs", "options")]
+    own += option_names(cls)
+    close = difflib.get_close_matches(key, own + (allowed or []), n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its settings are {own}"
+    name = getattr(cls, "strategy_name", cls.__name__)
+    raise ValueError(f"{key} is not a setting of {name}{extra}; HINT: {hint}")
 
 
 def option_names(cls: type) -> list[str]:

@@ -55,7 +55,7 @@ from lightning_syncasync.strategies._async_step import (
     finite_closure,
     what_is_checked,
 )
-from lightning_syncasync.strategies._checks import check_common, check_node_size
+from lightning_syncasync.strategies._checks import check_common, check_no_kwargs, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import broadcast_optimizer_state
 from lightning_syncasync.strategies._round_length import round_length
@@ -65,7 +65,6 @@ from lightning_syncasync.strategies._watch import WatchedStrategy
 from lightning_syncasync.strategies.options import (
     AsyncSSPOptions,
     adopt,
-    no_other_keywords,
     resolve_options,
     unused_fields,
 )
@@ -120,7 +119,7 @@ class ShardedAsyncSSPStrategy(
         **kwargs: Any,
     ) -> None:
         opts = resolve_options(AsyncSSPOptions, options, kwargs, "async_ssp_sharded")
-        no_other_keywords(kwargs, "async_ssp_sharded", AsyncSSPOptions, type(self))
+        check_no_kwargs(type(self), kwargs)
         unused_fields(
             opts, _PER_STEP, "async_ssp_sharded", "they set async_ssp's per-step mode, and this trains in rounds"
         )

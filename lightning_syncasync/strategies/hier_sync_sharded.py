@@ -46,14 +46,14 @@ from lightning_syncasync.algorithms.compression.compressor import Compressor
 from lightning_syncasync.algorithms.fsdp_comm import measure_fsdp_collectives
 from lightning_syncasync.algorithms.stats import StatsRecorder
 from lightning_syncasync.algorithms.topology import Topology
-from lightning_syncasync.strategies._checks import check_common, check_node_size
+from lightning_syncasync.strategies._checks import check_common, check_no_kwargs, check_node_size
 from lightning_syncasync.strategies._merge import MergesBeforeUserHooks
 from lightning_syncasync.strategies._optim import local_part, unwrap_optimizer
 from lightning_syncasync.strategies._sharded import ShardsInsideNodes, check_sharded_settings
 from lightning_syncasync.strategies._sigterm import SigtermScope, node_stop_groups
 from lightning_syncasync.strategies._validation import AveragesNodes
 from lightning_syncasync.strategies._watch import WatchedStrategy
-from lightning_syncasync.strategies.options import HierSyncOptions, adopt, no_other_keywords, resolve_options
+from lightning_syncasync.strategies.options import HierSyncOptions, adopt, resolve_options
 
 
 class ShardedHierSyncStrategy(
@@ -105,7 +105,7 @@ class ShardedHierSyncStrategy(
         **kwargs: Any,
     ) -> None:
         opts = resolve_options(HierSyncOptions, options, kwargs, "hier_sync_sharded")
-        no_other_keywords(kwargs, "hier_sync_sharded", HierSyncOptions, type(self))
+        check_no_kwargs(type(self), kwargs)
         check_settings(inter_period, max_delay, opts.outer, opts.outer_lr, opts.outer_momentum)
         check_common("hier_sync_sharded does its own cross-node averaging", compression, opts.compression_options,
                      opts.peer_timeout_s, {}, type(self), wraps_ddp=False)  # fmt: skip

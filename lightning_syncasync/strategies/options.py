@@ -14,8 +14,6 @@ Why each default is what it is: ``docs/strategies.md#expert-settings``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -171,17 +169,6 @@ def adopt(strategy: Any, options: Any) -> None:
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
         setattr(strategy, f.name, dict(value) if isinstance(value, dict) else value)
-
-
-def no_other_keywords(kwargs: dict[str, Any], owner: str, options: type, cls: type) -> None:
-    """For a strategy (``cls``) whose ``**kwargs`` only carry its options' fields by their old names: anything left
-    is a typo."""
-    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs", "options")]
-    names = own + [f.name for f in dataclasses.fields(options)]
-    for key in kwargs:
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = f"did you mean {close[0]}?" if close else f"options= takes {names}"
-        raise ValueError(f"{key} is not a setting of {owner}; HINT: {hint}")
 
 
 def unused_fields(options: Any, fields: tuple[str, ...], owner: str, why: str) -> None:
